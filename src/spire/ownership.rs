@@ -1,0 +1,194 @@
+//! Which entries are ours, and what we call them.
+//!
+//! ```text
+//! entry ID = "sreg." <cluster> "." hex(sha256(spiffe_id \n parent_id \n sorted selectors))[..32]
+//! hint     = "spiffe-registrar/" <cluster>
+//! ```
+//! The ID is a pure function of what SPIRE itself uses to decide that two entries are "similar"
+//! (SPIFFE ID, parent ID, selector set), so a crash between creating an entry and recording it
+//! can never yield a duplicate: the retry asks for the same ID and gets AlreadyExists.
+//! An entry is ours only if both the ID prefix and the hint say so; we never delete anything else.
+
+use super::types::{Entry, Selector};
+use sha2::{Digest, Sha256};
+
+/// Hex digits of the hash kept in the ID: 128 bits, collision-free in practice.
+const HASH_HEX_LEN: usize = 32;
+const ID_PREFIX: &str = "sreg";
+const HINT_PREFIX: &str = "spiffe-registrar/";
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "invalid --cluster-name {0:?}: use 1-63 characters from [a-z0-9-], starting and ending with a letter or digit"
+)]
+pub struct InvalidClusterName(pub String);
+
+/// Names and recognises the entries of one registrar deployment (one cluster).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ownership {
+    cluster: String,
+    id_prefix: String,
+    hint: String,
+}
+
+impl Ownership {
+    /// `cluster` ends up in entry IDs, so it must fit SPIRE's ID alphabet and contain no `.`
+    /// (the separator of our prefix).
+    pub fn new(cluster: &str) -> Result<Self, InvalidClusterName> {
+        let valid = !cluster.is_empty()
+            && cluster.len() <= 63
+            && cluster
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !cluster.starts_with('-')
+            && !cluster.ends_with('-');
+        if !valid {
+            return Err(InvalidClusterName(cluster.to_string()));
+        }
+        Ok(Self {
+            cluster: cluster.to_string(),
+            id_prefix: format!("{ID_PREFIX}.{cluster}."),
+            hint: format!("{HINT_PREFIX}{cluster}"),
+        })
+    }
+
+    pub fn cluster(&self) -> &str {
+        &self.cluster
+    }
+
+    /// The hint every entry of ours carries; also the list filter.
+    pub fn hint(&self) -> &str {
+        &self.hint
+    }
+
+    /// The deterministic entry ID for this identity triple. Selector order does not matter.
+    pub fn entry_id(&self, spiffe_id: &str, parent_id: &str, selectors: &[Selector]) -> String {
+        let mut sorted: Vec<&Selector> = selectors.iter().collect();
+        sorted.sort();
+        sorted.dedup();
+        let mut hasher = Sha256::new();
+        hasher.update(spiffe_id.as_bytes());
+        hasher.update(b"\n");
+        hasher.update(parent_id.as_bytes());
+        for selector in sorted {
+            hasher.update(b"\n");
+            hasher.update(selector.to_string().as_bytes());
+        }
+        let digest = hasher.finalize();
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{}{}", self.id_prefix, &hex[..HASH_HEX_LEN])
+    }
+
+    /// True only when the ID has our prefix *and* the hint is ours.
+    pub fn is_ours(&self, entry: &Entry) -> bool {
+        self.id_is_ours(&entry.id) && entry.hint == self.hint
+    }
+
+    /// The ID half of `is_ours`, for deletes where only IDs are at hand.
+    pub fn id_is_ours(&self, id: &str) -> bool {
+        id.starts_with(&self.id_prefix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ownership() -> Ownership {
+        Ownership::new("prod-eu1").expect("valid cluster name")
+    }
+
+    #[test]
+    fn ids_are_deterministic_and_order_independent() {
+        let o = ownership();
+        let a = Selector::new("k8s", "ns:a");
+        let b = Selector::new("k8s", "sa:b");
+        let id1 = o.entry_id(
+            "spiffe://td/ns/a/sa/b",
+            "spiffe://td/agent",
+            &[a.clone(), b.clone()],
+        );
+        let id2 = o.entry_id("spiffe://td/ns/a/sa/b", "spiffe://td/agent", &[b, a]);
+        assert_eq!(id1, id2);
+        assert!(id1.starts_with("sreg.prod-eu1."));
+        assert_eq!(id1.len(), "sreg.prod-eu1.".len() + HASH_HEX_LEN);
+        assert!(
+            id1.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
+        );
+    }
+
+    #[test]
+    fn every_part_of_the_triple_changes_the_id() {
+        let o = ownership();
+        let s = [Selector::new("k8s", "ns:a")];
+        let base = o.entry_id("spiffe://td/x", "spiffe://td/p", &s);
+        assert_ne!(base, o.entry_id("spiffe://td/y", "spiffe://td/p", &s));
+        assert_ne!(base, o.entry_id("spiffe://td/x", "spiffe://td/q", &s));
+        assert_ne!(
+            base,
+            o.entry_id(
+                "spiffe://td/x",
+                "spiffe://td/p",
+                &[Selector::new("k8s", "ns:b")]
+            )
+        );
+        let other_cluster = Ownership::new("other").expect("valid");
+        assert_ne!(
+            base,
+            other_cluster.entry_id("spiffe://td/x", "spiffe://td/p", &s)
+        );
+    }
+
+    #[test]
+    fn field_boundaries_cannot_be_shifted() {
+        let o = ownership();
+        // "a\nb" + "c" must not hash like "a" + "b\nc"; SPIFFE IDs cannot contain newlines, but
+        // the separator keeps the encoding unambiguous regardless.
+        assert_ne!(
+            o.entry_id("spiffe://td/a", "spiffe://td/bc", &[]),
+            o.entry_id("spiffe://td/ab", "spiffe://td/c", &[])
+        );
+    }
+
+    #[test]
+    fn ownership_needs_prefix_and_hint() {
+        let o = ownership();
+        let mut entry = Entry {
+            id: o.entry_id("spiffe://td/x", "spiffe://td/p", &[]),
+            hint: o.hint().into(),
+            ..Entry::default()
+        };
+        assert!(o.is_ours(&entry));
+        entry.hint = "someone-else".into();
+        assert!(
+            !o.is_ours(&entry),
+            "our prefix with a foreign hint is not ours"
+        );
+        entry.hint = o.hint().into();
+        entry.id = "0b0e3f9a-uuid".into();
+        assert!(!o.is_ours(&entry), "our hint with a foreign ID is not ours");
+        assert!(
+            !Ownership::new("prod").expect("valid").is_ours(&Entry {
+                id: o.entry_id("spiffe://td/x", "spiffe://td/p", &[]),
+                hint: "spiffe-registrar/prod".into(),
+                ..Entry::default()
+            }),
+            "a cluster whose name is a prefix of ours does not own our entries"
+        );
+    }
+
+    #[test]
+    fn cluster_names_are_validated() {
+        for bad in ["", "-a", "a-", "a.b", "A", "a_b", &"x".repeat(64)] {
+            assert_eq!(
+                Ownership::new(bad),
+                Err(InvalidClusterName(bad.to_string())),
+                "{bad:?}"
+            );
+        }
+        for good in ["a", "prod-eu1", &"x".repeat(63)] {
+            assert!(Ownership::new(good).is_ok(), "{good:?}");
+        }
+    }
+}

@@ -1,0 +1,21 @@
+//! Test bed shared by every integration test: real etcd + kube-apiserver and a real
+//! spire-server + spire-agent, built by `tests/testenv/build.sh` and started here.
+//!
+//! ```text
+//!  Stack ── KubePlane ── etcd (loopback, temp data dir)
+//!        │           └── kube-apiserver (rcgen certs, RBAC, admin client cert → kubeconfig)
+//!        └── Spire ───── spire-server (sqlite, join_token, admin UDS + loopback TCP)
+//!                    └── spire-agent (join token, unix workload attestor, Workload API UDS)
+//! ```
+//! Every child runs in its own process group, is stopped by `Stack::stop` (or `Drop`), and is
+//! also watched by a sentinel that kills it when the test binary exits for any reason.
+#![allow(dead_code)]
+
+pub mod certs;
+pub mod kube_plane;
+pub mod paths;
+pub mod process;
+pub mod spire;
+pub mod stack;
+
+pub use stack::Stack;

@@ -1,0 +1,58 @@
+//! Where `tests/testenv/build.sh` caches the binaries. Mirrors `tests/testenv/paths.sh`.
+
+use std::path::PathBuf;
+
+const VERSIONS_ENV: &str = include_str!("../testenv/versions.env");
+
+fn pinned(name: &str) -> String {
+    VERSIONS_ENV
+        .lines()
+        .filter_map(|line| line.split_once('='))
+        .find(|(key, _)| key.trim() == name)
+        .map(|(_, value)| value.trim().to_string())
+        .unwrap_or_else(|| panic!("tests/testenv/versions.env must define {name}"))
+}
+
+fn cache_root() -> PathBuf {
+    match std::env::var_os("SPIFFE_REGISTRAR_TESTENV") {
+        Some(dir) => PathBuf::from(dir),
+        None => {
+            let home =
+                std::env::var_os("HOME").expect("HOME must be set to find the testenv cache");
+            PathBuf::from(home).join(".cache/spiffe-registrar/testenv")
+        }
+    }
+}
+
+/// Directory holding `etcd`, `kube-apiserver` and `kubectl`.
+pub fn kube_bin() -> PathBuf {
+    cache_root().join(format!(
+        "kube-{}-etcd-{}/bin",
+        pinned("KUBERNETES_VERSION"),
+        pinned("ETCD_VERSION")
+    ))
+}
+
+/// Directory holding `spire-server` and `spire-agent`.
+pub fn spire_bin() -> PathBuf {
+    cache_root().join(format!("spire-{}/bin", pinned("SPIRE_VERSION")))
+}
+
+/// A binary from the cache, with a message naming the script that builds it when it is missing.
+pub fn binary(dir: PathBuf, name: &str) -> PathBuf {
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: run `bash tests/testenv/build.sh` first",
+        path.display()
+    );
+    path
+}
+
+/// A loopback TCP port that was free a moment ago. Racy by nature; callers start quickly.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("binding 127.0.0.1:0 must succeed")
+}

@@ -1,0 +1,119 @@
+//! A child process in its own process group, with its output in a log file.
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use std::fs::File;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct ManagedProcess {
+    pub name: String,
+    child: Option<Child>,
+    pub log_path: PathBuf,
+}
+
+impl ManagedProcess {
+    /// Starts `command` as the leader of a new process group, output to `<log_dir>/<name>.log`.
+    pub fn spawn(name: &str, mut command: Command, log_dir: &Path) -> Self {
+        let log_path = log_dir.join(format!("{name}.log"));
+        let log = File::create(&log_path).expect("the log file must be creatable");
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log handle must clone"))
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .unwrap_or_else(|err| panic!("starting {name} ({command:?}) failed: {err}"));
+        Self {
+            name: name.to_string(),
+            child: Some(child),
+            log_path,
+        }
+    }
+
+    /// The process group id (= pid of the leader).
+    pub fn pgid(&self) -> i32 {
+        self.child.as_ref().map(|c| c.id() as i32).unwrap_or(0)
+    }
+
+    /// Panics with the log's tail if the process has already exited.
+    pub fn assert_running(&mut self) {
+        if let Some(child) = self.child.as_mut()
+            && let Ok(Some(status)) = child.try_wait()
+        {
+            panic!(
+                "{} exited early with {status}:\n{}",
+                self.name,
+                self.log_tail(60)
+            );
+        }
+    }
+
+    /// SIGTERM to the whole group, SIGKILL after `grace`; reaps the leader.
+    pub fn stop(&mut self, grace: Duration) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let group = Pid::from_raw(child.id() as i32);
+        let _ = killpg(group, Signal::SIGTERM);
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if matches!(child.try_wait(), Ok(Some(_))) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Members of the group may outlive the leader; the group kill covers them too.
+        let _ = killpg(group, Signal::SIGKILL);
+        let _ = child.wait();
+    }
+
+    /// Kills the group at once (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        self.stop(Duration::ZERO);
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log_path).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+}
+
+impl Drop for ManagedProcess {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(5));
+    }
+}
+
+/// True while any process of group `pgid` exists.
+pub fn group_alive(pgid: i32) -> bool {
+    killpg(Pid::from_raw(pgid), None).is_ok()
+}
+
+/// Polls `ready` every 100 ms until it returns true, panicking after `timeout` with `what`.
+pub fn wait_until(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if ready() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("timed out after {timeout:?} waiting for {what}");
+}
+
+/// Runs a command to completion; returns (success, stdout, stderr).
+pub fn run(command: &mut Command) -> (bool, String, String) {
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|err| panic!("running {command:?} failed: {err}"));
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}

@@ -1,0 +1,163 @@
+//! The whole test bed, started once per test binary (`Stack::shared`) or per test
+//! (`Stack::start`), plus a sentinel that cleans up when the test binary dies.
+
+use super::kube_plane::KubePlane;
+use super::process::run;
+use super::spire::{SpireAgent, SpireServer};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Instant;
+
+pub struct Stack {
+    pub kube: KubePlane,
+    pub spire_server: SpireServer,
+    pub spire_agent: SpireAgent,
+    sentinel: Child,
+    dir: tempfile::TempDir,
+}
+
+static SHARED: OnceLock<Stack> = OnceLock::new();
+
+impl Stack {
+    /// Starts etcd, kube-apiserver, spire-server and spire-agent, each ready when this returns.
+    pub fn start() -> Self {
+        let started = Instant::now();
+        // Short path: Unix socket paths must stay under ~108 bytes.
+        let dir = tempfile::Builder::new()
+            .prefix("sr-")
+            .tempdir_in("/tmp")
+            .expect("a temp dir must be creatable");
+        let sentinel = spawn_sentinel(dir.path());
+        let kube = KubePlane::start(dir.path());
+        let spire_server = SpireServer::start(dir.path());
+        let spire_agent = SpireAgent::start(dir.path(), &spire_server);
+        let stack = Self {
+            kube,
+            spire_server,
+            spire_agent,
+            sentinel,
+            dir,
+        };
+        stack.record_groups();
+        eprintln!(
+            "test stack ready in {:?} under {}",
+            started.elapsed(),
+            stack.dir().display()
+        );
+        stack
+    }
+
+    /// One stack for the whole test binary, started on first use. Tests sharing it must use
+    /// their own namespaces and SPIFFE paths, and must not stop or restart its processes (a
+    /// test that does starts its own). It is torn down by the sentinel at exit.
+    pub fn shared() -> &'static Stack {
+        SHARED.get_or_init(Stack::start)
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Process groups of every child, so the sentinel can kill what is running at exit.
+    pub fn pgids(&self) -> Vec<i32> {
+        vec![
+            self.kube.etcd.pgid(),
+            self.kube.apiserver.pgid(),
+            self.spire_server.process.pgid(),
+            self.spire_agent.process.pgid(),
+        ]
+    }
+
+    /// Re-records the groups (call after restarting a process).
+    pub fn record_groups(&self) {
+        let list: Vec<String> = self.pgids().iter().map(i32::to_string).collect();
+        std::fs::write(self.dir().join("pgids"), list.join("\n"))
+            .expect("the pgid list must be writable");
+    }
+
+    /// Prints every log's tail; call from a test's failure path.
+    pub fn dump_logs(&self) {
+        for process in [
+            &self.kube.etcd,
+            &self.kube.apiserver,
+            &self.spire_server.process,
+            &self.spire_agent.process,
+        ] {
+            eprintln!(
+                "===== {} ({}) =====\n{}",
+                process.name,
+                process.log_path.display(),
+                process.log_tail(40)
+            );
+        }
+    }
+
+    /// A guard that dumps the logs if the test panics while holding it.
+    pub fn logs_on_panic(&self) -> LogsOnPanic<'_> {
+        LogsOnPanic(self)
+    }
+
+    /// Stops every child and the sentinel.
+    pub fn stop(&mut self) {
+        self.spire_agent.stop();
+        self.spire_server.stop();
+        self.kube.stop();
+        let _ = self.sentinel.kill();
+        let _ = self.sentinel.wait();
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+pub struct LogsOnPanic<'a>(&'a Stack);
+
+impl Drop for LogsOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.dump_logs();
+        }
+    }
+}
+
+/// A shell that waits for this test process to exit (normally, by panic or by a kill), then
+/// SIGKILLs every recorded process group and removes the stack's directory. Statics are never
+/// dropped, so without it a shared stack would outlive the test binary.
+fn spawn_sentinel(dir: &Path) -> Child {
+    let script = format!(
+        "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; \
+         for g in $(cat '{dir}/pgids' 2>/dev/null); do kill -KILL -- -$g 2>/dev/null; done; \
+         rm -rf '{dir}'",
+        pid = std::process::id(),
+        dir = dir.display()
+    );
+    Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("sh must be available for the sentinel")
+}
+
+/// `kubectl` against this stack, panicking with output when it fails.
+pub fn kubectl_ok(stack: &Stack, args: &[&str]) -> String {
+    let (ok, stdout, stderr) = run(stack.kube.kubectl().args(args));
+    assert!(ok, "kubectl {args:?} failed:\n{stdout}\n{stderr}");
+    stdout
+}
+
+pub fn unique(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id() % 100_000,
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Builds the real peers the tests run against (etcd, kube-apiserver, kubectl, spire-server,
+# spire-agent) from Go modules at the versions in versions.env, into a cache outside the repo.
+# Whatever is already cached is not rebuilt. Prints the bin directories on the last lines.
+#
+#   SPIFFE_REGISTRAR_TESTENV  cache root (default ~/.cache/spiffe-registrar/testenv)
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/versions.env"
+source "$here/paths.sh"
+
+log() { printf '[testenv-build] %s\n' "$*" >&2; }
+
+ensure_prerequisites() {
+  command -v go >/dev/null || { log "go is required on PATH"; exit 1; }
+  # spire-server's SQLite datastore needs CGO, hence a C compiler.
+  if ! command -v gcc >/dev/null; then
+    log "installing gcc (needed for spire's CGO SQLite)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev
+  fi
+}
+
+# build_into DIR MODULE_DIR CGO LDFLAGS PACKAGE... : builds each package's main into DIR/bin,
+# through a temporary directory so an interrupted build never leaves a half-written binary.
+build_into() {
+  local dest=$1 module_dir=$2 cgo=$3 ldflags=$4; shift 4
+  local tmp; tmp=$(mktemp -d "${dest}.partial.XXXXXX")
+  local start=$SECONDS
+  ( cd "$module_dir" && CGO_ENABLED=$cgo GOFLAGS=-mod=readonly go build -p 2 -trimpath \
+      -ldflags "$ldflags" -o "$tmp/" "$@" )
+  mkdir -p "$dest"
+  rm -rf "$dest/bin"
+  mv "$tmp" "$dest/bin"
+  log "built $(ls "$dest/bin" | tr '\n' ' ')in $((SECONDS - start))s"
+}
+
+ensure_prerequisites
+mkdir -p "$TESTENV_CACHE"
+
+if [[ -x "$KUBE_BIN/kube-apiserver" && -x "$KUBE_BIN/etcd" && -x "$KUBE_BIN/kubectl" ]]; then
+  log "cached: $KUBE_BIN"
+else
+  log "building kube-apiserver ${KUBERNETES_VERSION}, kubectl, etcd ${ETCD_VERSION} (slow the first time)"
+  minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
+  stamp="-s -w -X k8s.io/component-base/version.gitVersion=${KUBERNETES_VERSION}"
+  stamp+=" -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor}"
+  stamp+=" -X k8s.io/component-base/version.gitTreeState=clean"
+  build_into "$(dirname "$KUBE_BIN")" "$here/go/kube" 0 "$stamp" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl go.etcd.io/etcd/server/v3
+  # `go build` names the etcd binary after its package directory ("server").
+  mv "$KUBE_BIN/server" "$KUBE_BIN/etcd"
+fi
+
+if [[ -x "$SPIRE_BIN/spire-server" && -x "$SPIRE_BIN/spire-agent" ]]; then
+  log "cached: $SPIRE_BIN"
+else
+  log "building spire-server and spire-agent ${SPIRE_VERSION}"
+  build_into "$(dirname "$SPIRE_BIN")" "$here/go/spire" 1 "-s -w" \
+    github.com/spiffe/spire/cmd/spire-server github.com/spiffe/spire/cmd/spire-agent
+fi
+
+echo "KUBE_BIN=$KUBE_BIN"
+echo "SPIRE_BIN=$SPIRE_BIN"

@@ -1,0 +1,5 @@
+# Where build.sh puts the binaries; sourced after versions.env. The Rust harness derives the
+# same paths (tests/common/paths.rs), so both must change together.
+TESTENV_CACHE=${SPIFFE_REGISTRAR_TESTENV:-$HOME/.cache/spiffe-registrar/testenv}
+KUBE_BIN="$TESTENV_CACHE/kube-${KUBERNETES_VERSION}-etcd-${ETCD_VERSION}/bin"
+SPIRE_BIN="$TESTENV_CACHE/spire-${SPIRE_VERSION}/bin"

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Regenerates the Go helper modules' go.mod/go.sum from versions.env. Run by hand when a
+# version changes; the results are committed so build.sh needs no module resolution.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/versions.env"
+kube_minor=${KUBERNETES_VERSION#v1.}          # 36.3
+staging_version="v0.${kube_minor}"            # v0.36.3
+
+kube_dir="$here/go/kube"
+rm -f "$kube_dir/go.mod" "$kube_dir/go.sum"
+( cd "$kube_dir"
+  go mod init spiffe-registrar.test/testenv/kube >/dev/null
+  go mod edit -go=1.26.0
+  mod_file=$(go mod download -json "k8s.io/kubernetes@${KUBERNETES_VERSION}" | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
+  # Every staging module k8s.io/kubernetes replaces with ./staging/... must be replaced here with
+  # the published module of the matching v0.x version: replace directives only work in the main
+  # module, and the required v0.0.0 versions do not exist.
+  for module in $(sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$mod_file"); do
+    go mod edit "-replace=${module}=${module}@${staging_version}"
+  done
+  go get "k8s.io/kubernetes@${KUBERNETES_VERSION}"
+  go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@${KUBERNETES_VERSION}"
+  go get -tool "k8s.io/kubernetes/cmd/kubectl@${KUBERNETES_VERSION}"
+  go get -tool "go.etcd.io/etcd/server/v3@${ETCD_VERSION}"
+  go mod tidy
+)
+
+spire_dir="$here/go/spire"
+rm -f "$spire_dir/go.mod" "$spire_dir/go.sum"
+( cd "$spire_dir"
+  go mod init spiffe-registrar.test/testenv/spire >/dev/null
+  go get -tool "github.com/spiffe/spire/cmd/spire-server@${SPIRE_VERSION}"
+  go get -tool "github.com/spiffe/spire/cmd/spire-agent@${SPIRE_VERSION}"
+  go mod tidy
+)
