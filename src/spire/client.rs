@@ -1,0 +1,343 @@
+//! The Entry API client over tonic: batching, per-call deadlines, retries with back-off, a
+//! client-side rate limit and metrics. Connection set-up lives in `transport.rs`.
+
+use super::api::{EntryApi, SpireError};
+use super::convert::{entry_to_proto, output_mask, update_mask};
+use super::metrics::SpireMetrics;
+use super::ownership::Ownership;
+use super::proto::entry as pb;
+use super::proto::entry::entry_client::EntryClient;
+use super::rate_limit::TokenBucket;
+use super::results::{create_result, delete_result, result_label, update_result};
+use super::retry::{RetryPolicy, is_transient};
+use super::types::{DeleteResult, Entry, EntryResult, ItemError};
+use std::future::Future;
+use std::time::Instant;
+use tonic::transport::Channel;
+use tracing::{debug, warn};
+
+/// Sizes and limits. Defaults follow the throughput benchmark (README, "Benchmarks").
+#[derive(Clone, Debug)]
+pub struct ClientSettings {
+    pub create_batch: usize,
+    pub update_batch: usize,
+    pub delete_batch: usize,
+    pub page_size: i32,
+    pub retry: RetryPolicy,
+    /// Requests per second to SPIRE; 0 disables the limit.
+    pub requests_per_second: f64,
+    pub burst: u32,
+}
+
+impl Default for ClientSettings {
+    fn default() -> Self {
+        Self {
+            create_batch: 100,
+            update_batch: 100,
+            delete_batch: 200,
+            page_size: 500,
+            retry: RetryPolicy::default(),
+            requests_per_second: 50.0,
+            burst: 20,
+        }
+    }
+}
+
+pub struct GrpcEntryClient {
+    client: EntryClient<Channel>,
+    ownership: Ownership,
+    settings: ClientSettings,
+    limiter: TokenBucket,
+    metrics: SpireMetrics,
+}
+
+impl GrpcEntryClient {
+    pub fn new(
+        channel: Channel,
+        ownership: Ownership,
+        settings: ClientSettings,
+        metrics: SpireMetrics,
+    ) -> Self {
+        let limiter = TokenBucket::new(settings.requests_per_second, settings.burst);
+        Self {
+            client: EntryClient::new(channel),
+            ownership,
+            settings,
+            limiter,
+            metrics,
+        }
+    }
+
+    pub fn ownership(&self) -> &Ownership {
+        &self.ownership
+    }
+
+    /// One logical call: rate-limited attempts, each with a deadline, retried on transient
+    /// codes with back-off until the retry budget is spent.
+    async fn call<Req, Resp, F, Fut>(
+        &self,
+        op: &'static str,
+        request: Req,
+        send: F,
+    ) -> Result<Resp, SpireError>
+    where
+        Req: Clone,
+        F: Fn(EntryClient<Channel>, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+    {
+        let policy = &self.settings.retry;
+        let started = Instant::now();
+        let mut attempt = 0u32;
+        loop {
+            self.limiter.acquire().await;
+            let mut req = tonic::Request::new(request.clone());
+            req.set_timeout(policy.call_timeout);
+            let attempt_started = Instant::now();
+            let outcome = tokio::time::timeout(policy.call_timeout, send(self.client.clone(), req))
+                .await
+                .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("client-side deadline")));
+            let code = match &outcome {
+                Ok(_) => tonic::Code::Ok,
+                Err(status) => status.code(),
+            };
+            self.metrics
+                .call_duration
+                .with_label_values(&[op, &format!("{code:?}")])
+                .observe(attempt_started.elapsed().as_secs_f64());
+            let status = match outcome {
+                Ok(response) => return Ok(response.into_inner()),
+                Err(status) => status,
+            };
+            if !is_transient(status.code()) {
+                return Err(SpireError::Rpc {
+                    op,
+                    code: status.code(),
+                    message: status.message().to_string(),
+                });
+            }
+            attempt += 1;
+            let delay = policy.delay(attempt - 1);
+            if started.elapsed() + delay > policy.budget {
+                return Err(SpireError::Exhausted {
+                    op,
+                    attempts: attempt,
+                    code: status.code(),
+                    message: status.message().to_string(),
+                });
+            }
+            warn!(op, attempt, code = ?status.code(), message = status.message(), delay_ms = delay.as_millis() as u64, "SPIRE call failed; retrying");
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    fn count<T>(&self, op: &str, results: &[Result<T, ItemError>]) {
+        for result in results {
+            self.metrics
+                .entries
+                .with_label_values(&[op, result_label(result)])
+                .inc();
+        }
+    }
+
+    async fn create_chunk(&self, chunk: &[Entry]) -> Vec<EntryResult> {
+        let request = pb::BatchCreateEntryRequest {
+            entries: chunk.iter().map(entry_to_proto).collect(),
+            output_mask: Some(output_mask()),
+        };
+        let response = self
+            .call("batch_create", request, |mut c, r| async move {
+                c.batch_create_entry(r).await
+            })
+            .await;
+        match response {
+            Ok(response) if response.results.len() == chunk.len() => chunk
+                .iter()
+                .zip(response.results)
+                .map(|(entry, result)| {
+                    create_result(&entry.id, result.status.as_ref(), result.entry)
+                })
+                .collect(),
+            Ok(response) => failed_items(
+                chunk.iter().map(|e| &e.id),
+                SpireError::ResultCount {
+                    op: "batch_create",
+                    sent: chunk.len(),
+                    got: response.results.len(),
+                },
+            ),
+            Err(error) => failed_items(chunk.iter().map(|e| &e.id), error),
+        }
+    }
+
+    async fn update_chunk(&self, chunk: &[Entry]) -> Vec<EntryResult> {
+        let request = pb::BatchUpdateEntryRequest {
+            entries: chunk.iter().map(entry_to_proto).collect(),
+            input_mask: Some(update_mask()),
+            output_mask: Some(output_mask()),
+        };
+        let response = self
+            .call("batch_update", request, |mut c, r| async move {
+                c.batch_update_entry(r).await
+            })
+            .await;
+        match response {
+            Ok(response) if response.results.len() == chunk.len() => chunk
+                .iter()
+                .zip(response.results)
+                .map(|(entry, result)| {
+                    update_result(&entry.id, result.status.as_ref(), result.entry)
+                })
+                .collect(),
+            Ok(response) => failed_items(
+                chunk.iter().map(|e| &e.id),
+                SpireError::ResultCount {
+                    op: "batch_update",
+                    sent: chunk.len(),
+                    got: response.results.len(),
+                },
+            ),
+            Err(error) => failed_items(chunk.iter().map(|e| &e.id), error),
+        }
+    }
+
+    async fn delete_chunk(&self, chunk: &[String]) -> Vec<DeleteResult> {
+        let request = pb::BatchDeleteEntryRequest {
+            ids: chunk.to_vec(),
+        };
+        let response = self
+            .call("batch_delete", request, |mut c, r| async move {
+                c.batch_delete_entry(r).await
+            })
+            .await;
+        match response {
+            Ok(response) if response.results.len() == chunk.len() => chunk
+                .iter()
+                .zip(response.results)
+                .map(|(id, result)| delete_result(id, result.status.as_ref()))
+                .collect(),
+            Ok(response) => failed_items(
+                chunk.iter(),
+                SpireError::ResultCount {
+                    op: "batch_delete",
+                    sent: chunk.len(),
+                    got: response.results.len(),
+                },
+            ),
+            Err(error) => failed_items(chunk.iter(), error),
+        }
+    }
+}
+
+/// IDs with their position in the caller's input.
+type IndexedIds = Vec<(usize, String)>;
+
+/// Every item of a chunk that failed as a whole gets the request's error.
+fn failed_items<'a, T>(
+    ids: impl Iterator<Item = &'a String>,
+    error: SpireError,
+) -> Vec<Result<T, ItemError>> {
+    let code = match &error {
+        SpireError::Rpc { code, .. } | SpireError::Exhausted { code, .. } => *code,
+        _ => tonic::Code::Unknown,
+    };
+    ids.map(|id| {
+        Err(ItemError::Other {
+            id: id.clone(),
+            code,
+            message: error.to_string(),
+        })
+    })
+    .collect()
+}
+
+impl EntryApi for GrpcEntryClient {
+    async fn list_ours(&self) -> Result<Vec<Entry>, SpireError> {
+        let mut entries = Vec::new();
+        let mut page_token = String::new();
+        loop {
+            let request = pb::ListEntriesRequest {
+                filter: Some(pb::list_entries_request::Filter {
+                    by_hint: Some(self.ownership.hint().to_string()),
+                    ..Default::default()
+                }),
+                output_mask: Some(output_mask()),
+                page_size: self.settings.page_size.max(1),
+                page_token: page_token.clone(),
+            };
+            let page = self
+                .call("list", request, |mut c, r| async move {
+                    c.list_entries(r).await
+                })
+                .await?;
+            entries.extend(
+                page.entries
+                    .into_iter()
+                    .map(super::convert::entry_from_proto),
+            );
+            if page.next_page_token.is_empty() {
+                break;
+            }
+            page_token = page.next_page_token;
+        }
+        let listed = entries.len();
+        // The hint filter is the server's word; the ID prefix is ours. Both must agree.
+        entries.retain(|entry| self.ownership.is_ours(entry));
+        if entries.len() != listed {
+            warn!(
+                listed,
+                ours = entries.len(),
+                hint = self.ownership.hint(),
+                "entries with our hint but a foreign ID prefix were ignored"
+            );
+        }
+        debug!(count = entries.len(), "listed our SPIRE entries");
+        Ok(entries)
+    }
+
+    async fn create(&self, entries: Vec<Entry>) -> Vec<EntryResult> {
+        let mut results = Vec::with_capacity(entries.len());
+        for chunk in entries.chunks(self.settings.create_batch.max(1)) {
+            let chunk_results = self.create_chunk(chunk).await;
+            self.count("create", &chunk_results);
+            results.extend(chunk_results);
+        }
+        results
+    }
+
+    async fn update(&self, entries: Vec<Entry>) -> Vec<EntryResult> {
+        let mut results = Vec::with_capacity(entries.len());
+        for chunk in entries.chunks(self.settings.update_batch.max(1)) {
+            let chunk_results = self.update_chunk(chunk).await;
+            self.count("update", &chunk_results);
+            results.extend(chunk_results);
+        }
+        results
+    }
+
+    async fn delete(&self, ids: Vec<String>) -> Vec<DeleteResult> {
+        // Never send a delete for an ID that is not ours, whatever the caller computed.
+        let (ours, foreign): (IndexedIds, IndexedIds) = ids
+            .into_iter()
+            .enumerate()
+            .partition(|(_, id)| self.ownership.id_is_ours(id));
+        let mut results: Vec<Option<DeleteResult>> = vec![None; ours.len() + foreign.len()];
+        for (index, id) in foreign {
+            warn!(entry_id = %id, "refusing to delete an entry that is not ours");
+            results[index] = Some(Err(ItemError::NotOurs { id }));
+        }
+        let (indexes, ours): (Vec<usize>, Vec<String>) = ours.into_iter().unzip();
+        let mut deleted = Vec::with_capacity(ours.len());
+        for chunk in ours.chunks(self.settings.delete_batch.max(1)) {
+            deleted.extend(self.delete_chunk(chunk).await);
+        }
+        for (index, result) in indexes.into_iter().zip(deleted) {
+            results[index] = Some(result);
+        }
+        let results: Vec<DeleteResult> = results
+            .into_iter()
+            .map(|r| r.expect("every delete input must get a result"))
+            .collect();
+        self.count("delete", &results);
+        results
+    }
+}
