@@ -1,6 +1,18 @@
 //! spiffe-registrar: gives every in-scope Kubernetes Deployment a SPIFFE identity by keeping
-//! SPIRE registration entries in step with the cluster (see `../shared/DESIGN.md` for the flow).
+//! SPIRE registration entries in step with the cluster.
+//!
+//! Layers, each depending only on those above it:
+//! `names`, `spire::types` → `policy` (pure) → `index` (caches) → `webhook`, `spire` client,
+//! `certs` → `run` (wiring) → `main.rs`.
 #![forbid(unsafe_code)]
 
+pub mod certs;
+pub mod config;
+pub mod index;
+pub mod names;
+pub mod policy;
+pub mod run;
 pub mod spire;
+pub mod telemetry;
 pub mod version;
+pub mod webhook;

@@ -90,6 +90,15 @@ pub async fn connect(
                         "no X509-SVID from the Workload API at {workload_api}: {e}"
                     ))
                 })?;
+            // Default: the SPIRE server of our own trust domain.
+            let server_id = if server_id.is_empty() {
+                let svid = source
+                    .svid()
+                    .map_err(|e| SpireError::Connect(format!("no X509-SVID: {e}")))?;
+                format!("spiffe://{}/spire/server", svid.spiffe_id().trust_domain())
+            } else {
+                server_id.clone()
+            };
             let mut tls = spiffe_rustls::mtls_client(source.clone())
                 .authorize(
                     spiffe_rustls::authorizer::exact([server_id.as_str()]).map_err(|e| {

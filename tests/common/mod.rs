@@ -9,7 +9,7 @@
 //! ```
 //! Every child runs in its own process group, is stopped by `Stack::stop` (or `Drop`), and is
 //! also watched by a sentinel that kills it when the test binary exits for any reason.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 pub mod certs;
 pub mod kube_plane;

@@ -4,6 +4,7 @@
 use super::kube_plane::KubePlane;
 use super::process::run;
 use super::spire::{SpireAgent, SpireServer};
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -100,11 +101,13 @@ impl Stack {
 
     /// Stops every child and the sentinel.
     pub fn stop(&mut self) {
+        // The sentinel goes first (SIGKILL: it must not act on group ids that are about to be
+        // freed and could be reused); TempDir's drop removes the directory instead.
+        let _ = self.sentinel.kill();
+        let _ = self.sentinel.wait();
         self.spire_agent.stop();
         self.spire_server.stop();
         self.kube.stop();
-        let _ = self.sentinel.kill();
-        let _ = self.sentinel.wait();
     }
 }
 
@@ -127,20 +130,23 @@ impl Drop for LogsOnPanic<'_> {
 /// A shell that waits for this test process to exit (normally, by panic or by a kill), then
 /// SIGKILLs every recorded process group and removes the stack's directory. Statics are never
 /// dropped, so without it a shared stack would outlive the test binary.
+///
+/// It notices the exit through its stdin: the write end of that pipe lives only in this process
+/// (std opens pipes close-on-exec), so the kernel closes it when the process dies, however it
+/// dies, and `read` returns at once. It runs in its own process group so that whoever kills the
+/// test binary's group (a CI job runner, a terminal) does not kill the sentinel with it.
 fn spawn_sentinel(dir: &Path) -> Child {
     let script = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; \
-         for g in $(cat '{dir}/pgids' 2>/dev/null); do kill -KILL -- -$g 2>/dev/null; done; \
-         rm -rf '{dir}'",
-        pid = std::process::id(),
+        "read _; kill -KILL -- $(sed 's/^/-/' '{dir}/pgids' 2>/dev/null) 2>/dev/null; rm -rf '{dir}'",
         dir = dir.display()
     );
     Command::new("sh")
         .arg("-c")
         .arg(script)
-        .stdin(Stdio::null())
+        .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
+        .process_group(0)
         .spawn()
         .expect("sh must be available for the sentinel")
 }

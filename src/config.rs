@@ -1,0 +1,250 @@
+//! Flags and environment, validated once at start-up into `Settings`. Every error names the
+//! flag to fix.
+
+use crate::certs::{CertSource, SecretSettings};
+use crate::policy::OptIn;
+use crate::spire::{ClientSettings, Ownership, SpireEndpoint};
+use clap::Args;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Name of this cluster; part of every entry ID and of the entry hint, so several clusters
+    /// can share one SPIRE server. Lowercase letters, digits and '-'.
+    #[arg(long, env = "REGISTRAR_CLUSTER_NAME", default_value = "default")]
+    pub cluster_name: String,
+
+    /// Namespace label (key=value) that opts a namespace in.
+    #[arg(
+        long,
+        env = "REGISTRAR_NAMESPACE_LABEL",
+        default_value = "spiffe.io/registrar=enabled"
+    )]
+    pub namespace_label: String,
+
+    /// HTTPS address of the admission webhook.
+    #[arg(long, env = "REGISTRAR_WEBHOOK_ADDR", default_value = "0.0.0.0:8443")]
+    pub webhook_addr: SocketAddr,
+
+    /// Plain-HTTP address of /healthz, /readyz and /metrics.
+    #[arg(long, env = "REGISTRAR_ADMIN_ADDR", default_value = "0.0.0.0:8080")]
+    pub admin_addr: SocketAddr,
+
+    /// Serve this certificate (PEM chain) instead of managing one; re-read when it changes.
+    #[arg(long, env = "REGISTRAR_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+
+    /// Private key (PEM) for --tls-cert-file.
+    #[arg(long, env = "REGISTRAR_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
+
+    /// Namespace the registrar runs in (its Secret and Lease live there).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "spiffe-registrar")]
+    pub namespace: String,
+
+    /// Secret holding the generated webhook CA and serving certificate.
+    #[arg(
+        long,
+        env = "REGISTRAR_CERT_SECRET",
+        default_value = "spiffe-registrar-webhook-tls"
+    )]
+    pub cert_secret: String,
+
+    /// MutatingWebhookConfiguration whose caBundle the registrar keeps set to its CA.
+    #[arg(
+        long,
+        env = "REGISTRAR_WEBHOOK_CONFIGURATION",
+        default_value = "spiffe-registrar"
+    )]
+    pub webhook_configuration: String,
+
+    /// DNS names in the generated serving certificate (repeatable). Default:
+    /// spiffe-registrar.<namespace>.svc.
+    #[arg(
+        long = "webhook-dns-name",
+        env = "REGISTRAR_WEBHOOK_DNS_NAMES",
+        value_delimiter = ','
+    )]
+    pub webhook_dns_names: Vec<String>,
+
+    /// IP addresses in the generated serving certificate (repeatable).
+    #[arg(
+        long = "webhook-ip",
+        env = "REGISTRAR_WEBHOOK_IPS",
+        value_delimiter = ','
+    )]
+    pub webhook_ips: Vec<IpAddr>,
+
+    /// Lifetime of generated serving certificates (renewed after 2/3), e.g. 2160h.
+    #[arg(long, env = "REGISTRAR_SERVING_CERT_VALIDITY", default_value = "2160h", value_parser = parse_duration)]
+    pub serving_cert_validity: Duration,
+
+    /// SPIRE server admin socket (sidecar deployment). Exclusive with --spire-address.
+    #[arg(long, env = "REGISTRAR_SPIRE_SOCKET", conflicts_with = "spire_address")]
+    pub spire_socket: Option<PathBuf>,
+
+    /// SPIRE server host:port over TCP with SPIFFE mTLS (our SVID from --workload-api).
+    #[arg(long, env = "REGISTRAR_SPIRE_ADDRESS")]
+    pub spire_address: Option<String>,
+
+    /// SPIFFE ID the SPIRE server must present over TCP. Default: spiffe://<trust domain of
+    /// our own SVID>/spire/server.
+    #[arg(long, env = "REGISTRAR_SPIRE_SERVER_ID")]
+    pub spire_server_id: Option<String>,
+
+    /// SPIRE agent Workload API for our own SVID (TCP transport only).
+    #[arg(
+        long,
+        env = "SPIFFE_ENDPOINT_SOCKET",
+        default_value = "unix:///run/spire/agent-sockets/api.sock"
+    )]
+    pub workload_api: String,
+
+    /// Entries per BatchCreateEntry/BatchUpdateEntry call.
+    #[arg(long, env = "REGISTRAR_SPIRE_BATCH_SIZE", default_value_t = 100)]
+    pub spire_batch_size: usize,
+
+    /// Client-side limit of SPIRE requests per second (0: none).
+    #[arg(long, env = "REGISTRAR_SPIRE_RPS", default_value_t = 50.0)]
+    pub spire_rps: f64,
+
+    /// Full resync with SPIRE (list our entries by hint) at least this often.
+    #[arg(long, env = "REGISTRAR_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_duration)]
+    pub resync_interval: Duration,
+
+    /// Lease duration for leader election: a new leader takes over within this after the
+    /// old one dies.
+    #[arg(long, env = "REGISTRAR_LEASE_DURATION", default_value = "15s", value_parser = parse_duration)]
+    pub lease_duration: Duration,
+
+    /// Identity of this replica in the Lease. Default: the pod name (HOSTNAME).
+    #[arg(long, env = "HOSTNAME", default_value = "spiffe-registrar")]
+    pub replica_id: String,
+
+    /// Log as JSON lines.
+    #[arg(long, env = "REGISTRAR_LOG_JSON", default_value_t = false)]
+    pub log_json: bool,
+}
+
+/// Durations like 90s, 15m, 2160h, 30d.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let (number, unit) = text.split_at(
+        text.find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(text.len()),
+    );
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration like 30s, 5m, 1h or 30d"))?;
+    let seconds = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{text:?}: unit must be s, m, h or d")),
+    };
+    Ok(Duration::from_secs(n * seconds))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error(transparent)]
+    ClusterName(#[from] crate::spire::ownership::InvalidClusterName),
+    #[error("invalid --namespace-label {0:?}: expected key=value")]
+    NamespaceLabel(String),
+    #[error("set exactly one of --spire-socket or --spire-address")]
+    SpireTransport,
+    #[error("--spire-batch-size must be between 1 and 1000, got {0}")]
+    BatchSize(usize),
+    #[error("--resync-interval must be at least 10s")]
+    Resync,
+}
+
+/// Everything `run` needs, validated.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub ownership: Ownership,
+    pub opt_in: OptIn,
+    pub webhook_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub certs: CertSource,
+    pub spire: SpireEndpoint,
+    pub client: ClientSettings,
+    pub namespace: String,
+    pub resync_interval: Duration,
+    pub lease_duration: Duration,
+    pub replica_id: String,
+}
+
+impl RunArgs {
+    pub fn validate(self) -> Result<Settings, ConfigError> {
+        let ownership = Ownership::new(&self.cluster_name)?;
+        let opt_in = OptIn::parse(&self.namespace_label)
+            .ok_or_else(|| ConfigError::NamespaceLabel(self.namespace_label.clone()))?;
+        let certs = match (self.tls_cert_file, self.tls_key_file) {
+            (Some(cert), Some(key)) => CertSource::Files { cert, key },
+            _ => CertSource::Secret(SecretSettings {
+                namespace: self.namespace.clone(),
+                name: self.cert_secret,
+                webhook_configuration: self.webhook_configuration,
+                dns_names: if self.webhook_dns_names.is_empty() {
+                    vec![format!("spiffe-registrar.{}.svc", self.namespace)]
+                } else {
+                    self.webhook_dns_names
+                },
+                ips: self.webhook_ips,
+                ca_lifetime: Duration::from_secs(5 * 365 * 86_400),
+                serving_lifetime: self.serving_cert_validity,
+            }),
+        };
+        let spire = match (self.spire_socket, self.spire_address) {
+            (Some(socket), None) => SpireEndpoint::Unix { socket },
+            (None, Some(address)) => SpireEndpoint::Tcp {
+                address,
+                server_id: self.spire_server_id.unwrap_or_default(),
+                workload_api: self.workload_api,
+            },
+            _ => return Err(ConfigError::SpireTransport),
+        };
+        if !(1..=1000).contains(&self.spire_batch_size) {
+            return Err(ConfigError::BatchSize(self.spire_batch_size));
+        }
+        if self.resync_interval < Duration::from_secs(10) {
+            return Err(ConfigError::Resync);
+        }
+        let client = ClientSettings {
+            create_batch: self.spire_batch_size,
+            update_batch: self.spire_batch_size,
+            requests_per_second: self.spire_rps,
+            ..ClientSettings::default()
+        };
+        Ok(Settings {
+            ownership,
+            opt_in,
+            webhook_addr: self.webhook_addr,
+            admin_addr: self.admin_addr,
+            certs,
+            spire,
+            client,
+            namespace: self.namespace,
+            resync_interval: self.resync_interval,
+            lease_duration: self.lease_duration,
+            replica_id: self.replica_id,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("30d"), Ok(Duration::from_secs(30 * 86_400)));
+        assert!(parse_duration("1.5h").is_err());
+        assert!(parse_duration("h").is_err());
+        assert!(parse_duration("5").is_err());
+    }
+}

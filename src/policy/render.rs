@@ -1,0 +1,330 @@
+//! Renders the identity of one workload under one policy: a pure function shared by the webhook
+//! (the annotation it stamps) and the controller (the entry it writes), so both always agree.
+//!
+//! The SPIFFE ID may only depend on the trust domain, the namespace and the service account,
+//! because the entry's selectors are exactly `k8s:ns:<ns>` and `k8s:sa:<sa>`: any other input
+//! would give pods of one service account several identities.
+
+use super::crd::{DEFAULT_SPIFFE_ID_TEMPLATE, SpiffeRegistrationSpec};
+use super::duration::{DurationError, parse_ttl};
+use super::spiffe_id::{SpiffeIdError, check, valid_trust_domain};
+use crate::spire::Selector;
+
+/// The parts of a Deployment that identity depends on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Workload<'a> {
+    pub namespace: &'a str,
+    /// Pod template's service account; `default` when unset.
+    pub service_account: &'a str,
+}
+
+/// What a workload's SPIRE entry must look like (before naming and ownership).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub spiffe_id: String,
+    pub parent_id: String,
+    /// Sorted.
+    pub selectors: Vec<Selector>,
+    pub x509_svid_ttl: i32,
+    pub jwt_svid_ttl: i32,
+    /// Sorted, deduplicated.
+    pub dns_names: Vec<String>,
+    /// Sorted, deduplicated.
+    pub federates_with: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RenderError {
+    #[error("trustDomain {0:?} is invalid (lowercase letters, digits, '.', '_', '-'; no scheme)")]
+    TrustDomain(String),
+    #[error("parentID: {0}")]
+    ParentId(SpiffeIdError),
+    #[error(
+        "spiffeIDTemplate: unknown placeholder {{{0}}} (allowed: trustDomain, namespace, serviceAccount)"
+    )]
+    Placeholder(String),
+    #[error("spiffeIDTemplate renders an invalid SPIFFE ID: {0}")]
+    SpiffeId(SpiffeIdError),
+    #[error(transparent)]
+    Ttl(#[from] DurationError),
+    #[error("dnsNames: {0:?} is not a valid DNS name")]
+    DnsName(String),
+    #[error("federatesWith: {0:?} is not a valid trust domain")]
+    FederatesWith(String),
+}
+
+impl RenderError {
+    /// CamelCase reason for conditions and Events.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RenderError::TrustDomain(_) => "InvalidTrustDomain",
+            RenderError::ParentId(_) => "InvalidParentID",
+            RenderError::Placeholder(_) | RenderError::SpiffeId(_) => "InvalidSpiffeIDTemplate",
+            RenderError::Ttl(_) => "InvalidTTL",
+            RenderError::DnsName(_) => "InvalidDNSName",
+            RenderError::FederatesWith(_) => "InvalidFederatesWith",
+        }
+    }
+}
+
+/// Substitutes `{trustDomain}`, `{namespace}`, `{serviceAccount}`; any other `{…}` is an error.
+fn fill(template: &str, trust_domain: &str, workload: &Workload) -> Result<String, RenderError> {
+    let mut out = String::with_capacity(template.len() + 32);
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + 1..];
+        let close = after
+            .find('}')
+            .ok_or_else(|| RenderError::Placeholder(after.to_string()))?;
+        let value = match &after[..close] {
+            "trustDomain" => trust_domain,
+            "namespace" => workload.namespace,
+            "serviceAccount" => workload.service_account,
+            other => return Err(RenderError::Placeholder(other.to_string())),
+        };
+        out.push_str(value);
+        rest = &after[close + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// A DNS name as SPIRE accepts it in `dns_names`: ASCII labels, at most one leading `*.`.
+pub fn valid_dns_name(name: &str) -> bool {
+    let name = name.strip_prefix("*.").unwrap_or(name);
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+}
+
+/// Checks what does not depend on a workload; the controller reports these on the policy.
+pub fn validate(spec: &SpiffeRegistrationSpec) -> Result<(), RenderError> {
+    // Any syntactically valid workload exercises every check that does not depend on it.
+    render(
+        spec,
+        &Workload {
+            namespace: "default",
+            service_account: "default",
+        },
+    )
+    .map(|_| ())
+}
+
+pub fn render(spec: &SpiffeRegistrationSpec, workload: &Workload) -> Result<Identity, RenderError> {
+    let td = spec.trust_domain.as_str();
+    if !valid_trust_domain(td) {
+        return Err(RenderError::TrustDomain(td.to_string()));
+    }
+    check(&spec.parent_id, td, false).map_err(RenderError::ParentId)?;
+    let template = spec
+        .spiffe_id_template
+        .as_deref()
+        .unwrap_or(DEFAULT_SPIFFE_ID_TEMPLATE);
+    let spiffe_id = fill(template, td, workload)?;
+    check(&spiffe_id, td, true).map_err(RenderError::SpiffeId)?;
+    let x509_svid_ttl = spec
+        .ttl
+        .as_deref()
+        .map(|t| parse_ttl("ttl", t))
+        .transpose()?
+        .unwrap_or(0);
+    let jwt_svid_ttl = spec
+        .jwt_ttl
+        .as_deref()
+        .map(|t| parse_ttl("jwtTtl", t))
+        .transpose()?
+        .unwrap_or(0);
+    let mut dns_names = Vec::with_capacity(spec.dns_names.len());
+    for template in &spec.dns_names {
+        let name = fill(template, td, workload)?;
+        if !valid_dns_name(&name) {
+            return Err(RenderError::DnsName(name));
+        }
+        dns_names.push(name);
+    }
+    dns_names.sort();
+    dns_names.dedup();
+    let mut federates_with = spec.federates_with.clone();
+    if let Some(bad) = federates_with
+        .iter()
+        .find(|t| !valid_trust_domain(t.strip_prefix("spiffe://").unwrap_or(t)))
+    {
+        return Err(RenderError::FederatesWith(bad.clone()));
+    }
+    federates_with.sort();
+    federates_with.dedup();
+    let mut selectors = vec![
+        Selector::new("k8s", format!("ns:{}", workload.namespace)),
+        Selector::new("k8s", format!("sa:{}", workload.service_account)),
+    ];
+    selectors.sort();
+    Ok(Identity {
+        spiffe_id,
+        parent_id: spec.parent_id.clone(),
+        selectors,
+        x509_svid_ttl,
+        jwt_svid_ttl,
+        dns_names,
+        federates_with,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub fn mk_spec() -> SpiffeRegistrationSpec {
+        SpiffeRegistrationSpec {
+            trust_domain: "example.org".into(),
+            parent_id: "spiffe://example.org/k8s/cluster/nodes".into(),
+            ttl: Some("1h".into()),
+            jwt_ttl: None,
+            namespace_selector: None,
+            deployment_selector: None,
+            spiffe_id_template: None,
+            dns_names: vec![],
+            federates_with: vec![],
+        }
+    }
+
+    const WL: Workload<'static> = Workload {
+        namespace: "payments",
+        service_account: "api",
+    };
+
+    #[test]
+    fn default_template_renders_namespace_and_service_account() {
+        let id = render(&mk_spec(), &WL).expect("valid");
+        assert_eq!(id.spiffe_id, "spiffe://example.org/ns/payments/sa/api");
+        assert_eq!(id.parent_id, "spiffe://example.org/k8s/cluster/nodes");
+        assert_eq!(
+            id.selectors,
+            vec![
+                Selector::new("k8s", "ns:payments"),
+                Selector::new("k8s", "sa:api")
+            ]
+        );
+        assert_eq!((id.x509_svid_ttl, id.jwt_svid_ttl), (3600, 0));
+    }
+
+    #[test]
+    fn table_of_policy_errors() {
+        type Edit = fn(&mut SpiffeRegistrationSpec);
+        let cases: Vec<(&str, Edit, &str)> = vec![
+            (
+                "scheme in trust domain",
+                |s| s.trust_domain = "spiffe://example.org".into(),
+                "InvalidTrustDomain",
+            ),
+            (
+                "parent in other domain",
+                |s| s.parent_id = "spiffe://other.org/x".into(),
+                "InvalidParentID",
+            ),
+            (
+                "parent without path",
+                |s| s.parent_id = "spiffe://example.org".into(),
+                "InvalidParentID",
+            ),
+            (
+                "unknown placeholder",
+                |s| s.spiffe_id_template = Some("spiffe://{trustDomain}/{deployment}".into()),
+                "InvalidSpiffeIDTemplate",
+            ),
+            (
+                "unclosed placeholder",
+                |s| s.spiffe_id_template = Some("spiffe://{trustDomain}/{namespace".into()),
+                "InvalidSpiffeIDTemplate",
+            ),
+            (
+                "reserved path",
+                |s| s.spiffe_id_template = Some("spiffe://{trustDomain}/spire/{namespace}".into()),
+                "InvalidSpiffeIDTemplate",
+            ),
+            (
+                "template in other domain",
+                |s| s.spiffe_id_template = Some("spiffe://evil.org/{namespace}".into()),
+                "InvalidSpiffeIDTemplate",
+            ),
+            (
+                "ttl too short",
+                |s| s.ttl = Some("10s".into()),
+                "InvalidTTL",
+            ),
+            (
+                "jwt ttl garbage",
+                |s| s.jwt_ttl = Some("soon".into()),
+                "InvalidTTL",
+            ),
+            (
+                "dns name",
+                |s| s.dns_names = vec!["bad_name.{namespace}".into()],
+                "InvalidDNSName",
+            ),
+            (
+                "federation",
+                |s| s.federates_with = vec!["Bad Domain".into()],
+                "InvalidFederatesWith",
+            ),
+        ];
+        for (what, edit, reason) in cases {
+            let mut spec = mk_spec();
+            edit(&mut spec);
+            let error = render(&spec, &WL).expect_err(what);
+            assert_eq!(error.reason(), reason, "{what}: {error}");
+            assert_eq!(
+                validate(&spec).map_err(|e| e.reason()),
+                Err(reason),
+                "{what}"
+            );
+        }
+    }
+
+    #[test]
+    fn custom_template_dns_names_and_federation_are_normalized() {
+        let mut spec = mk_spec();
+        spec.spiffe_id_template =
+            Some("spiffe://{trustDomain}/k8s/{namespace}/{serviceAccount}".into());
+        spec.dns_names = vec![
+            "{serviceAccount}.{namespace}.svc".into(),
+            "a.example".into(),
+            "a.example".into(),
+        ];
+        spec.federates_with = vec!["z.org".into(), "a.org".into()];
+        spec.jwt_ttl = Some("5m".into());
+        let id = render(&spec, &WL).expect("valid");
+        assert_eq!(id.spiffe_id, "spiffe://example.org/k8s/payments/api");
+        assert_eq!(
+            id.dns_names,
+            vec!["a.example".to_string(), "api.payments.svc".to_string()]
+        );
+        assert_eq!(
+            id.federates_with,
+            vec!["a.org".to_string(), "z.org".to_string()]
+        );
+        assert_eq!(id.jwt_svid_ttl, 300);
+    }
+
+    #[test]
+    fn a_service_account_name_cannot_escape_its_path_segment() {
+        // Kubernetes names cannot contain '/', but a template must never turn odd input into a
+        // different valid identity: '..' is rejected as a segment.
+        let wl = Workload {
+            namespace: "payments",
+            service_account: "..",
+        };
+        assert!(matches!(
+            render(&mk_spec(), &wl),
+            Err(RenderError::SpiffeId(_))
+        ));
+    }
+}

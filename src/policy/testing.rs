@@ -1,0 +1,59 @@
+//! `mk_*` builders for unit tests across the crate.
+
+use super::crd::{SpiffeRegistration, SpiffeRegistrationSpec};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+/// A valid policy named `name`, created `created` seconds after the epoch, edited by `edit`.
+pub fn mk_policy(
+    name: &str,
+    created: i64,
+    edit: impl FnOnce(&mut SpiffeRegistrationSpec),
+) -> SpiffeRegistration {
+    let mut spec = SpiffeRegistrationSpec {
+        trust_domain: "example.org".into(),
+        parent_id: "spiffe://example.org/k8s/nodes".into(),
+        ttl: Some("1h".into()),
+        jwt_ttl: None,
+        namespace_selector: None,
+        deployment_selector: None,
+        spiffe_id_template: None,
+        dns_names: vec![],
+        federates_with: vec![],
+    };
+    edit(&mut spec);
+    let mut policy = SpiffeRegistration::new(name, spec);
+    policy.metadata.creation_timestamp = Some(Time(
+        k8s_openapi::jiff::Timestamp::from_second(created).expect("valid timestamp"),
+    ));
+    policy.metadata.generation = Some(1);
+    policy.metadata.uid = Some(format!("uid-{name}"));
+    policy
+}
+
+/// A Deployment in `namespace` running as `service_account` (unset when `None`).
+pub fn mk_deployment(
+    namespace: &str,
+    name: &str,
+    service_account: Option<&str>,
+    labels: &[(&str, &str)],
+) -> Deployment {
+    let labels: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+        .collect();
+    let mut pod_spec = serde_json::json!({ "containers": [{ "name": "app", "image": "app:1" }] });
+    if let Some(sa) = service_account {
+        pod_spec["serviceAccountName"] = sa.into();
+    }
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": { "name": name, "namespace": namespace, "labels": labels, "uid": format!("uid-{namespace}-{name}") },
+        "spec": {
+            "selector": { "matchLabels": { "app": name } },
+            "template": { "metadata": { "labels": { "app": name } }, "spec": pod_spec }
+        }
+    }))
+    .expect("deployment JSON must match the type")
+}

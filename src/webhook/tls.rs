@@ -1,0 +1,147 @@
+//! HTTPS serving with a certificate that can be swapped while running: every new handshake
+//! picks up the current certificate, connections already open keep theirs, so a rotation
+//! drops nothing.
+
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("no certificate in the PEM data")]
+    NoCertificate,
+    #[error("bad certificate PEM: {0}")]
+    CertPem(String),
+    #[error("bad or unsupported private key: {0}")]
+    Key(String),
+}
+
+/// Parses a PEM chain and key into what rustls serves.
+pub fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<CertifiedKey, TlsError> {
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| TlsError::CertPem(e.to_string()))?;
+    if chain.is_empty() {
+        return Err(TlsError::NoCertificate);
+    }
+    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| TlsError::Key(e.to_string()))?;
+    let signing_key = rustls::crypto::ring::sign::any_supported_type(&key)
+        .map_err(|e| TlsError::Key(e.to_string()))?;
+    Ok(CertifiedKey::new(chain, signing_key))
+}
+
+/// The serving certificate, replaceable at run time.
+#[derive(Debug)]
+pub struct ReloadableCert {
+    current: RwLock<Arc<CertifiedKey>>,
+}
+
+impl ReloadableCert {
+    pub fn new(cert_pem: &[u8], key_pem: &[u8]) -> Result<Self, TlsError> {
+        Ok(Self {
+            current: RwLock::new(Arc::new(certified_key(cert_pem, key_pem)?)),
+        })
+    }
+
+    /// Serves `cert_pem`/`key_pem` from the next handshake on; on error the old pair stays.
+    pub fn replace(&self, cert_pem: &[u8], key_pem: &[u8]) -> Result<(), TlsError> {
+        let next = Arc::new(certified_key(cert_pem, key_pem)?);
+        *self
+            .current
+            .write()
+            .expect("cert lock must not be poisoned") = next;
+        Ok(())
+    }
+
+    /// DER of the leaf currently served (to tell rotations apart).
+    pub fn leaf_der(&self) -> Vec<u8> {
+        let current = self.current.read().expect("cert lock must not be poisoned");
+        current.cert.first().map(|c| c.to_vec()).unwrap_or_default()
+    }
+}
+
+impl ResolvesServerCert for ReloadableCert {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(
+            self.current
+                .read()
+                .expect("cert lock must not be poisoned")
+                .clone(),
+        )
+    }
+}
+
+/// TLS 1.2 and 1.3 on ring, HTTP/2 and HTTP/1.1, certificate from `cert`.
+pub fn server_config(cert: Arc<ReloadableCert>) -> Arc<rustls::ServerConfig> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+        .expect("ring supports TLS 1.2 and 1.3")
+        .with_no_client_auth()
+        .with_cert_resolver(cert);
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Arc::new(config)
+}
+
+/// A slow or silent client may hold a socket at most this long before its handshake completes.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Accepts TLS connections on `listener` and serves `router` until `shutdown`, then lets open
+/// connections finish (bounded by the caller's runtime shutdown).
+pub async fn serve(
+    listener: TcpListener,
+    config: Arc<rustls::ServerConfig>,
+    router: Router,
+    shutdown: CancellationToken,
+) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let (tcp, peer) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(pair) => pair,
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let acceptor = acceptor.clone();
+        let service = TowerToHyperService::new(router.clone());
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(error)) => {
+                    tracing::debug!(%peer, %error, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let builder = auto::Builder::new(TokioExecutor::new());
+            let connection = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
+            if let Err(error) = watcher.watch(connection.into_owned()).await {
+                tracing::debug!(%peer, %error, "connection ended with an error");
+            }
+        });
+    }
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(Duration::from_secs(10)) => tracing::warn!("open webhook connections did not finish in 10 s"),
+    }
+}
