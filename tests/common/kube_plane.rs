@@ -2,9 +2,7 @@
 
 use super::certs::TestCa;
 use super::paths::{binary, free_port, kube_bin};
-use super::process::{ManagedProcess, run, wait_until};
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use super::process::{ManagedProcess, http_get_ok, run, wait_until};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -147,20 +145,6 @@ fn start_etcd(dir: &Path) -> (ManagedProcess, String) {
         http_get_ok(client_port, "/health")
     });
     (etcd, client_url)
-}
-
-/// A minimal HTTP/1.0 GET on loopback; true on a 200 answer.
-fn http_get_ok(port: u16, path: &str) -> bool {
-    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-    if write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").is_err() {
-        return false;
-    }
-    let mut response = String::new();
-    let _ = stream.read_to_string(&mut response);
-    response.starts_with("HTTP/1.0 200") || response.starts_with("HTTP/1.1 200")
 }
 
 fn kubeconfig_yaml(url: &str, ca_pem: &str, cert_pem: &str, key_pem: &str) -> String {

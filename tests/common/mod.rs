@@ -12,9 +12,11 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod certs;
+pub mod k8s;
 pub mod kube_plane;
 pub mod paths;
 pub mod process;
+pub mod registrar;
 pub mod spire;
 pub mod stack;
 

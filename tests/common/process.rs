@@ -3,6 +3,8 @@
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use std::fs::File;
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -116,4 +118,25 @@ pub fn run(command: &mut Command) -> (bool, String, String) {
         String::from_utf8_lossy(&output.stdout).into_owned(),
         String::from_utf8_lossy(&output.stderr).into_owned(),
     )
+}
+
+/// A minimal HTTP/1.0 GET on loopback; true on a 200 answer.
+pub fn http_get_ok(port: u16, path: &str) -> bool {
+    http_get(port, path).is_some()
+}
+
+/// A minimal HTTP/1.0 GET on loopback; the body of a 200 answer.
+pub fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    let ok = response.starts_with("HTTP/1.0 200") || response.starts_with("HTTP/1.1 200");
+    ok.then(|| {
+        response
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_string())
+            .unwrap_or_default()
+    })
 }

@@ -77,6 +77,32 @@ impl Stack {
             .expect("the pgid list must be writable");
     }
 
+    /// Adds a process group (e.g. a registrar) to what the sentinel kills at exit.
+    pub fn track(&self, pgid: i32) {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.dir().join("pgids"))
+            .expect("the pgid list must exist");
+        writeln!(file)
+            .and_then(|_| write!(file, "{pgid}"))
+            .expect("the pgid list must be writable");
+    }
+
+    /// Runs `f` on a fresh thread with its own runtime: for set-up done once per binary from a
+    /// sync `OnceLock` initializer, where the calling test's runtime cannot be blocked on.
+    pub fn block_on_fresh<T: Send + 'static>(
+        f: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> T {
+        std::thread::spawn(move || {
+            tokio::runtime::Runtime::new()
+                .expect("a runtime must build")
+                .block_on(f)
+        })
+        .join()
+        .expect("the set-up thread must not panic")
+    }
+
     /// Prints every log's tail; call from a test's failure path.
     pub fn dump_logs(&self) {
         for process in [
@@ -140,7 +166,8 @@ fn spawn_sentinel(dir: &Path) -> Child {
         "read _; kill -KILL -- $(sed 's/^/-/' '{dir}/pgids' 2>/dev/null) 2>/dev/null; rm -rf '{dir}'",
         dir = dir.display()
     );
-    Command::new("sh")
+    // bash, not sh: dash's `kill` cannot signal a process group (no `--`, `-pgid` is an option).
+    Command::new("bash")
         .arg("-c")
         .arg(script)
         .stdin(Stdio::piped())
@@ -148,7 +175,7 @@ fn spawn_sentinel(dir: &Path) -> Child {
         .stderr(Stdio::null())
         .process_group(0)
         .spawn()
-        .expect("sh must be available for the sentinel")
+        .expect("bash must be available for the sentinel")
 }
 
 /// `kubectl` against this stack, panicking with output when it fails.

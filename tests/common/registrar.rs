@@ -1,0 +1,106 @@
+//! The registrar as its real binary, against the test stack.
+
+use super::paths::free_port;
+use super::process::{ManagedProcess, http_get_ok, wait_until};
+use super::stack::Stack;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+/// The registrar binary: Cargo names it for integration tests; examples (benchmarks) find it
+/// next to their own directory (`target/<profile>/examples/..`).
+pub fn binary() -> std::path::PathBuf {
+    if let Some(path) = option_env!("CARGO_BIN_EXE_spiffe-registrar") {
+        return path.into();
+    }
+    let exe = std::env::current_exe().expect("current_exe must resolve");
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|profile| profile.join("spiffe-registrar"))
+        .expect("examples live under target/<profile>/examples");
+    assert!(
+        path.is_file(),
+        "{} is missing: build it first (cargo build --release)",
+        path.display()
+    );
+    path
+}
+
+pub struct Registrar {
+    pub process: ManagedProcess,
+    pub webhook_port: u16,
+    pub admin_port: u16,
+}
+
+/// What differs between test registrars.
+pub struct Options<'a> {
+    /// Namespace of its Secret (and Lease); must exist.
+    pub namespace: &'a str,
+    pub webhook_configuration: &'a str,
+    pub cluster_name: &'a str,
+    /// Log name, unique per registrar in a test.
+    pub name: &'a str,
+    pub extra_args: Vec<String>,
+}
+
+impl Registrar {
+    pub fn start(stack: &Stack, options: Options) -> Self {
+        Self::start_in(stack, stack.dir(), options)
+    }
+
+    /// Starts it with its webhook on a port chosen beforehand (e.g. already in a webhook
+    /// configuration).
+    pub fn start_on(stack: &Stack, webhook_port: u16, options: Options) -> Self {
+        Self::start_full(stack, stack.dir(), webhook_port, options)
+    }
+
+    pub fn start_in(stack: &Stack, log_dir: &Path, options: Options) -> Self {
+        Self::start_full(stack, log_dir, free_port(), options)
+    }
+
+    fn start_full(stack: &Stack, log_dir: &Path, webhook_port: u16, options: Options) -> Self {
+        let admin_port = free_port();
+        let mut command = Command::new(binary());
+        command
+            .env("KUBECONFIG", &stack.kube.kubeconfig)
+            .env("RUST_LOG", "info,spiffe_registrar=debug")
+            .env_remove("HOSTNAME")
+            .arg("run")
+            .arg(format!("--cluster-name={}", options.cluster_name))
+            .arg(format!("--namespace={}", options.namespace))
+            .arg(format!(
+                "--webhook-configuration={}",
+                options.webhook_configuration
+            ))
+            .arg(format!("--webhook-addr=127.0.0.1:{webhook_port}"))
+            .arg(format!("--admin-addr=127.0.0.1:{admin_port}"))
+            .arg("--webhook-ip=127.0.0.1")
+            .arg(format!("--replica-id={}", options.name))
+            .arg(format!(
+                "--spire-socket={}",
+                stack.spire_server.socket.display()
+            ))
+            .args(&options.extra_args);
+        let process = ManagedProcess::spawn(options.name, command, log_dir);
+        let mut registrar = Self {
+            process,
+            webhook_port,
+            admin_port,
+        };
+        registrar.wait_ready();
+        registrar
+    }
+
+    fn wait_ready(&mut self) {
+        let port = self.admin_port;
+        wait_until("registrar /readyz", Duration::from_secs(60), || {
+            self.process.assert_running();
+            http_get_ok(port, "/readyz")
+        });
+    }
+
+    pub fn metrics(&self) -> String {
+        super::process::http_get(self.admin_port, "/metrics").unwrap_or_default()
+    }
+}

@@ -1,0 +1,306 @@
+//! The webhook as the real registrar binary behind the real kube-apiserver: a
+//! MutatingWebhookConfiguration with `url: https://127.0.0.1:<port>/mutate` whose caBundle the
+//! registrar injected itself. The serving certificate is short-lived (30 s, renewed every 20 s)
+//! so rotation happens while the tests run.
+
+mod common;
+
+use common::Stack;
+use common::k8s::{
+    create_namespace, create_webhook_configuration, deployment, eventually, install_crd, policy,
+};
+use common::registrar::{Options, Registrar};
+use common::stack::unique;
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::json;
+use spiffe_registrar::names::{FINALIZER, SPIFFE_ID_ANNOTATION};
+use spiffe_registrar::policy::SpiffeRegistration;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const CONFIG: &str = "spiffe-registrar-webhook-e2e";
+const HOME: &str = "registrar-system";
+const SECRET: &str = "spiffe-registrar-webhook-tls";
+const TRUST_DOMAIN: &str = "example.org";
+
+struct Env {
+    stack: &'static Stack,
+    _registrar: Registrar,
+}
+
+fn env() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let stack = Stack::shared();
+        let webhook_port = common::paths::free_port();
+        let kubeconfig = stack.kube.kubeconfig.clone();
+        Stack::block_on_fresh(async move {
+            let client = client_for(&kubeconfig).await;
+            install_crd(&client).await;
+            create_namespace(&client, HOME, false).await;
+            create_webhook_configuration(&client, CONFIG, webhook_port).await;
+            let policies: Api<SpiffeRegistration> = Api::all(client);
+            let spec = json!({ "trustDomain": TRUST_DOMAIN, "parentID": "spiffe://example.org/k8s/nodes", "ttl": "1h" });
+            policies.create(&PostParams::default(), &policy("webhook-e2e", spec)).await.expect("policy create");
+        });
+        let registrar = Registrar::start_on(
+            stack,
+            webhook_port,
+            Options {
+                namespace: HOME,
+                webhook_configuration: CONFIG,
+                cluster_name: "webhook-e2e",
+                name: "registrar",
+                extra_args: vec!["--serving-cert-validity=30s".into()],
+            },
+        );
+        stack.track(registrar.process.pgid());
+        Env { stack, _registrar: registrar }
+    })
+}
+
+async fn client_for(kubeconfig: &std::path::Path) -> Client {
+    let config = kube::config::Kubeconfig::read_from(kubeconfig).expect("kubeconfig");
+    let config = kube::Config::from_custom_kubeconfig(config, &Default::default())
+        .await
+        .expect("client config");
+    Client::try_from(config).expect("client")
+}
+
+/// A namespace of the test's own, opted in or not, once the webhook is observed working there.
+async fn namespace(client: &Client, opted_in: bool) -> String {
+    let name = unique("wh");
+    create_namespace(client, &name, opted_in).await;
+    if opted_in {
+        // The apiserver picks up webhook configurations asynchronously: probe until mutated.
+        let api: Api<Deployment> = Api::namespaced(client.clone(), &name);
+        eventually("the webhook to be called", Duration::from_secs(30), || {
+            let api = api.clone();
+            async move {
+                let probe = api
+                    .create(
+                        &PostParams {
+                            dry_run: true,
+                            ..Default::default()
+                        },
+                        &deployment("probe", None),
+                    )
+                    .await
+                    .ok()?;
+                probe
+                    .metadata
+                    .finalizers
+                    .filter(|f| f.iter().any(|f| f == FINALIZER))
+                    .map(|_| ())
+            }
+        })
+        .await;
+    }
+    name
+}
+
+fn annotation(d: &Deployment) -> Option<&str> {
+    d.metadata
+        .annotations
+        .as_ref()?
+        .get(SPIFFE_ID_ANNOTATION)
+        .map(String::as_str)
+}
+
+fn has_finalizer(d: &Deployment) -> bool {
+    d.metadata
+        .finalizers
+        .iter()
+        .flatten()
+        .any(|f| f == FINALIZER)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn labelled_namespace_gets_finalizer_and_policy_id() {
+    let env = tokio::task::block_in_place(env);
+    let _logs = env.stack.logs_on_panic();
+    let client = env.stack.kube.client().await;
+    let ns = namespace(&client, true).await;
+    let api: Api<Deployment> = Api::namespaced(client, &ns);
+    api.create(&PostParams::default(), &deployment("web", Some("api")))
+        .await
+        .expect("create");
+    let stored = api.get("web").await.expect("stored");
+    assert!(has_finalizer(&stored));
+    assert_eq!(
+        annotation(&stored),
+        Some(format!("spiffe://{TRUST_DOMAIN}/ns/{ns}/sa/api").as_str())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unlabelled_namespace_is_untouched() {
+    let env = tokio::task::block_in_place(env);
+    let _logs = env.stack.logs_on_panic();
+    let client = env.stack.kube.client().await;
+    // Make sure the webhook is live before concluding anything from its absence.
+    namespace(&client, true).await;
+    let ns = namespace(&client, false).await;
+    let api: Api<Deployment> = Api::namespaced(client, &ns);
+    api.create(&PostParams::default(), &deployment("web", None))
+        .await
+        .expect("create");
+    let stored = api.get("web").await.expect("stored");
+    assert!(!has_finalizer(&stored));
+    assert_eq!(annotation(&stored), None);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn user_written_spiffe_id_is_replaced() {
+    let env = tokio::task::block_in_place(env);
+    let _logs = env.stack.logs_on_panic();
+    let client = env.stack.kube.client().await;
+    let ns = namespace(&client, true).await;
+    let api: Api<Deployment> = Api::namespaced(client, &ns);
+    let mut sneaky = deployment("web", Some("api"));
+    sneaky.metadata.annotations = Some(
+        [(
+            SPIFFE_ID_ANNOTATION.to_string(),
+            format!("spiffe://{TRUST_DOMAIN}/ns/kube-system/sa/admin"),
+        )]
+        .into(),
+    );
+    api.create(&PostParams::default(), &sneaky)
+        .await
+        .expect("create");
+    let expected = format!("spiffe://{TRUST_DOMAIN}/ns/{ns}/sa/api");
+    assert_eq!(
+        annotation(&api.get("web").await.expect("stored")),
+        Some(expected.as_str())
+    );
+    // And on UPDATE too.
+    let patch = json!({ "metadata": { "annotations": { SPIFFE_ID_ANNOTATION: "spiffe://example.org/evil" } } });
+    api.patch("web", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("patch");
+    assert_eq!(
+        annotation(&api.get("web").await.expect("stored")),
+        Some(expected.as_str())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn server_side_dry_run_returns_the_patched_object_and_persists_nothing() {
+    let env = tokio::task::block_in_place(env);
+    let _logs = env.stack.logs_on_panic();
+    let client = env.stack.kube.client().await;
+    let ns = namespace(&client, true).await;
+    let api: Api<Deployment> = Api::namespaced(client, &ns);
+    let answered = api
+        .create(
+            &PostParams {
+                dry_run: true,
+                ..Default::default()
+            },
+            &deployment("dry", None),
+        )
+        .await
+        .expect("dry-run create");
+    assert!(has_finalizer(&answered));
+    assert_eq!(
+        annotation(&answered),
+        Some(format!("spiffe://{TRUST_DOMAIN}/ns/{ns}/sa/default").as_str())
+    );
+    assert!(
+        api.get_opt("dry").await.expect("get").is_none(),
+        "dry-run persists nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn finalizer_removal_during_deletion_is_not_undone() {
+    let env = tokio::task::block_in_place(env);
+    let _logs = env.stack.logs_on_panic();
+    let client = env.stack.kube.client().await;
+    let ns = namespace(&client, true).await;
+    let api: Api<Deployment> = Api::namespaced(client, &ns);
+    api.create(&PostParams::default(), &deployment("doomed", None))
+        .await
+        .expect("create");
+    api.delete("doomed", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let terminating = api.get("doomed").await.expect("held by our finalizer");
+    assert!(terminating.metadata.deletion_timestamp.is_some());
+    let remove = json!([{ "op": "remove", "path": "/metadata/finalizers" }]);
+    api.patch(
+        "doomed",
+        &PatchParams::default(),
+        &Patch::<()>::Json(serde_json::from_value(remove).expect("patch")),
+    )
+    .await
+    .expect("removing the finalizer must succeed");
+    assert!(
+        api.get_opt("doomed").await.expect("get").is_none(),
+        "the webhook must not re-add the finalizer"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ca_bundle_is_the_registrars_own_ca() {
+    let env = tokio::task::block_in_place(env);
+    let _logs = env.stack.logs_on_panic();
+    let client = env.stack.kube.client().await;
+    let secret = Api::<Secret>::namespaced(client.clone(), HOME)
+        .get(SECRET)
+        .await
+        .expect("the registrar made its Secret");
+    let ca = secret.data.expect("data")["ca.crt"].0.clone();
+    let config = Api::<MutatingWebhookConfiguration>::all(client)
+        .get(CONFIG)
+        .await
+        .expect("config");
+    let bundle = config.webhooks.expect("webhooks")[0]
+        .client_config
+        .ca_bundle
+        .clone()
+        .expect("caBundle injected");
+    assert_eq!(bundle.0, ca);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn serving_cert_rotation_fails_no_create() {
+    let env = tokio::task::block_in_place(env);
+    let _logs = env.stack.logs_on_panic();
+    let client = env.stack.kube.client().await;
+    let ns = namespace(&client, true).await;
+    let api: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let secrets: Api<Secret> = Api::namespaced(client, HOME);
+    let serving = |s: Secret| s.data.expect("data")["tls.crt"].0.clone();
+    let first = serving(secrets.get(SECRET).await.expect("secret"));
+    let mut certificates = vec![first];
+    let started = Instant::now();
+    let mut created = 0;
+    // Keep creating until two rotations were observed (the cert lives 30 s, renewed at 20 s).
+    while certificates.len() < 3 {
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "no rotation within 90 s"
+        );
+        let name = format!("r{created}");
+        let stored = api
+            .create(&PostParams::default(), &deployment(&name, None))
+            .await
+            .unwrap_or_else(|e| panic!("create {created} failed during rotation: {e}"));
+        assert!(has_finalizer(&stored), "create {created} was not mutated");
+        created += 1;
+        let current = serving(secrets.get(SECRET).await.expect("secret"));
+        if certificates.last() != Some(&current) {
+            certificates.push(current);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "{created} creates across {} serving certificates, none failed",
+        certificates.len()
+    );
+}
