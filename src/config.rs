@@ -123,6 +123,11 @@ pub struct RunArgs {
     #[arg(long, env = "HOSTNAME", default_value = "spiffe-registrar")]
     pub replica_id: String,
 
+    /// Run the controller (leader-elected). `false` serves only the webhook, e.g. for a
+    /// webhook-only deployment next to a controller deployment.
+    #[arg(long, env = "REGISTRAR_CONTROLLER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub controller: bool,
+
     /// Log as JSON lines.
     #[arg(long, env = "REGISTRAR_LOG_JSON", default_value_t = false)]
     pub log_json: bool,
@@ -175,6 +180,7 @@ pub struct Settings {
     pub resync_interval: Duration,
     pub lease_duration: Duration,
     pub replica_id: String,
+    pub controller: bool,
 }
 
 impl RunArgs {
@@ -231,6 +237,7 @@ impl RunArgs {
             resync_interval: self.resync_interval,
             lease_duration: self.lease_duration,
             replica_id: self.replica_id,
+            controller: self.controller,
         })
     }
 }

@@ -8,7 +8,9 @@
 
 pub mod certs;
 pub mod config;
+pub mod controller;
 pub mod index;
+pub mod leader;
 pub mod names;
 pub mod policy;
 pub mod run;

@@ -2,13 +2,19 @@
 //! the controller into one process, and shuts them down together on SIGTERM.
 
 use crate::config::Settings;
+use crate::controller::metrics::ControllerMetrics;
+use crate::controller::{Controller, ControllerSettings};
+use crate::spire::metrics::SpireMetrics;
+use crate::spire::{GrpcEntryClient, connect};
 use crate::telemetry::{Readiness, admin_router};
 use crate::webhook::metrics::WebhookMetrics;
 use crate::webhook::tls::{serve, server_config};
 use crate::webhook::{WebhookState, router};
-use crate::{certs, index};
+use crate::{certs, index, leader};
 use prometheus::Registry;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -25,6 +31,8 @@ pub enum RunError {
     Certs(#[from] certs::StartError),
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error(transparent)]
+    Leader(#[from] leader::LeaderError),
 }
 
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), RunError> {
@@ -33,12 +41,36 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     let readiness = Arc::new(Readiness::default());
 
     let trigger = Arc::new(Notify::new());
+    let synced = readiness.gate("caches");
     let (index, _watch_tasks) = index::start(
         client.clone(),
         settings.opt_in.clone(),
         trigger.clone(),
-        readiness.gate("caches"),
+        synced.clone(),
     );
+
+    let leader = leader::elect(
+        client.clone(),
+        &settings.namespace,
+        &settings.replica_id,
+        settings.lease_duration,
+    )
+    .await?;
+    let controller_task = tokio::spawn(run_controller(
+        settings.clone(),
+        client.clone(),
+        index.clone(),
+        ControllerMetrics::register(&registry)?,
+        SpireMetrics::register(&registry)?,
+        trigger,
+        leader,
+        synced,
+        shutdown.clone(),
+    )))
+    } else {
+        tracing::info!("controller disabled (--controller=false): serving the webhook only");
+        None
+    };
 
     let (serving, _cert_task) = certs::start(
         settings.certs.clone(),
@@ -79,8 +111,57 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     )
     .await;
     let _ = admin_task.await;
+    if let Some(task) = controller_task {
+        let _ = task.await;
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Connects to SPIRE (retrying: the webhook serves meanwhile) and runs the controller.
+#[allow(clippy::too_many_arguments)]
+async fn run_controller(
+    settings: Settings,
+    client: kube::Client,
+    index: index::Index,
+    metrics: ControllerMetrics,
+    spire_metrics: SpireMetrics,
+    trigger: Arc<Notify>,
+    leader: tokio::sync::watch::Receiver<bool>,
+    synced: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+) {
+    let mut delay = Duration::from_secs(1);
+    let connection = loop {
+        match connect(&settings.spire, Duration::from_secs(30)).await {
+            Ok(connection) => break connection,
+            Err(error) => {
+                tracing::error!(%error, "cannot set up the SPIRE connection; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+                delay = (delay * 2).min(Duration::from_secs(30));
+            }
+        }
+    };
+    let api = Arc::new(GrpcEntryClient::new(
+        connection.channel.clone(),
+        settings.ownership.clone(),
+        settings.client.clone(),
+        spire_metrics,
+    ));
+    let controller_settings = ControllerSettings {
+        ownership: settings.ownership.clone(),
+        opt_in: settings.opt_in.clone(),
+        resync_interval: settings.resync_interval,
+        debounce: Duration::from_millis(200),
+        replica_id: settings.replica_id.clone(),
+    };
+    Controller::new(api, client, index, controller_settings, metrics)
+        .run(trigger, leader, synced, shutdown)
+        .await;
+    connection.shutdown().await;
 }
 
 /// Cancels `shutdown` on SIGTERM (kubelet) or SIGINT (a terminal).

@@ -336,7 +336,7 @@ async fn invalid_entries_fail_permanently_with_spires_message() {
     bad.id = ownership.entry_id(&bad.spiffe_id, &bad.parent_id, &bad.selectors);
     let results = client.create(vec![bad, good.clone()]).await;
     match &results[0] {
-        Err(error @ ItemError::Invalid { message }) => {
+        Err(error @ ItemError::Invalid { message, .. }) => {
             assert!(!error.is_retryable());
             assert!(
                 message.contains("failed to convert entry"),

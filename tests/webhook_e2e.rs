@@ -55,7 +55,8 @@ fn env() -> &'static Env {
                 webhook_configuration: CONFIG,
                 cluster_name: "webhook-e2e",
                 name: "registrar",
-                extra_args: vec!["--serving-cert-validity=30s".into()],
+                // Webhook only: the controller would release finalizers on its own.
+                extra_args: vec!["--serving-cert-validity=30s".into(), "--controller=false".into()],
             },
         );
         stack.track(registrar.process.pgid());

@@ -103,6 +103,7 @@ impl EntryApi for MemoryEntryApi {
                 let entry = entry.normalize();
                 if entry.selectors.is_empty() || !entry.spiffe_id.starts_with("spiffe://") {
                     return Err(ItemError::Invalid {
+                        id: entry.id.clone(),
                         message: "failed to convert entry: invalid".into(),
                     });
                 }

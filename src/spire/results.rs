@@ -41,7 +41,10 @@ pub fn create_result(
             id: id.to_string(),
             message,
         }),
-        (Code::InvalidArgument, _) => Err(ItemError::Invalid { message }),
+        (Code::InvalidArgument, _) => Err(ItemError::Invalid {
+            id: id.to_string(),
+            message,
+        }),
         (Code::Ok, None) => Err(ItemError::Other {
             id: id.to_string(),
             code,
@@ -64,7 +67,10 @@ pub fn update_result(
     match (code, entry) {
         (Code::Ok, Some(entry)) => Ok(entry_from_proto(entry)),
         (Code::NotFound, _) => Err(ItemError::NotFound { id: id.to_string() }),
-        (Code::InvalidArgument, _) => Err(ItemError::Invalid { message }),
+        (Code::InvalidArgument, _) => Err(ItemError::Invalid {
+            id: id.to_string(),
+            message,
+        }),
         (Code::Ok, None) => Err(ItemError::Other {
             id: id.to_string(),
             code,
@@ -82,7 +88,10 @@ pub fn delete_result(id: &str, status: Option<&pb::Status>) -> DeleteResult {
     let (code, message) = code_of(status);
     match code {
         Code::Ok | Code::NotFound => Ok(id.to_string()),
-        Code::InvalidArgument => Err(ItemError::Invalid { message }),
+        Code::InvalidArgument => Err(ItemError::Invalid {
+            id: id.to_string(),
+            message,
+        }),
         code => Err(ItemError::Other {
             id: id.to_string(),
             code,
@@ -143,6 +152,7 @@ mod tests {
                 None
             ),
             Err(ItemError::Invalid {
+                id: "a".into(),
                 message: "failed to convert entry: bad".into()
             })
         );

@@ -78,8 +78,8 @@ impl Entry {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ItemError {
     /// SPIRE rejected the entry as invalid; retrying cannot help. Carries SPIRE's message.
-    #[error("SPIRE rejected the entry: {message}")]
-    Invalid { message: String },
+    #[error("SPIRE rejected entry {id}: {message}")]
+    Invalid { id: String, message: String },
     /// Our deterministic ID is taken by an entry that is not the same (SPIFFE ID, parent ID,
     /// selectors): a hash collision or someone else's entry with our ID.
     #[error("entry ID {id} is already used by a different entry: {message}")]

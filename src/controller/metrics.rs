@@ -1,0 +1,66 @@
+//! Controller metrics.
+
+use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
+
+#[derive(Clone)]
+pub struct ControllerMetrics {
+    /// `spiffe_registration_total{namespace}`: Deployments registered (first entry-id recorded).
+    pub registrations: IntCounterVec,
+    /// `spiffe_registration_errors_total{namespace}`: failed registrations, per sync and Deployment.
+    pub errors: IntCounterVec,
+    /// `reconcile_duration_seconds`: one sync, list to status.
+    pub reconcile: Histogram,
+    /// `spire_entries_managed`: entries we own in SPIRE, as of the last sync.
+    pub entries: IntGauge,
+    /// `admission_to_registered_seconds`: Deployment creation to its entry recorded.
+    pub admission_to_registered: Histogram,
+}
+
+impl ControllerMetrics {
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let registrations = IntCounterVec::new(
+            Opts::new(
+                "spiffe_registration_total",
+                "Deployments registered in SPIRE",
+            ),
+            &["namespace"],
+        )?;
+        let errors = IntCounterVec::new(
+            Opts::new(
+                "spiffe_registration_errors_total",
+                "Deployments whose registration failed in a sync",
+            ),
+            &["namespace"],
+        )?;
+        let reconcile = Histogram::with_opts(
+            HistogramOpts::new("reconcile_duration_seconds", "Duration of one sync").buckets(vec![
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+            ]),
+        )?;
+        let entries = IntGauge::new(
+            "spire_entries_managed",
+            "SPIRE entries owned by this registrar",
+        )?;
+        let admission_to_registered = Histogram::with_opts(
+            HistogramOpts::new(
+                "admission_to_registered_seconds",
+                "From Deployment creation to its SPIRE entry recorded",
+            )
+            .buckets(vec![
+                0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+            ]),
+        )?;
+        registry.register(Box::new(registrations.clone()))?;
+        registry.register(Box::new(errors.clone()))?;
+        registry.register(Box::new(reconcile.clone()))?;
+        registry.register(Box::new(entries.clone()))?;
+        registry.register(Box::new(admission_to_registered.clone()))?;
+        Ok(Self {
+            registrations,
+            errors,
+            reconcile,
+            entries,
+            admission_to_registered,
+        })
+    }
+}

@@ -1,0 +1,210 @@
+//! Writes the outcome of a sync back to Kubernetes: annotations and finalizers on Deployments
+//! (JSON Patch guarded by a `test` of the cached resourceVersion, so a stale cache can never
+//! clobber someone else's change), Events, and policy status.
+
+use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::{Api, Client, Resource, ResourceExt};
+use serde_json::{Value, json};
+
+/// What a Deployment's metadata should become.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct MetadataChange {
+    pub add_finalizer: bool,
+    pub remove_finalizer: bool,
+    /// `Some(None)` removes the annotation.
+    pub spiffe_id: Option<Option<String>>,
+    pub entry_id: Option<Option<String>>,
+}
+
+impl MetadataChange {
+    pub fn is_empty(&self) -> bool {
+        *self == MetadataChange::default()
+    }
+}
+
+fn escape(key: &str) -> String {
+    key.replace('~', "~0").replace('/', "~1")
+}
+
+/// JSON Patch operations for `change` against the cached `deployment`; the first one tests
+/// the resourceVersion the decision was made on.
+pub fn operations(deployment: &Deployment, change: &MetadataChange) -> Vec<Value> {
+    let mut ops = vec![
+        json!({ "op": "test", "path": "/metadata/resourceVersion", "value": deployment.resource_version() }),
+    ];
+    let finalizers = deployment.metadata.finalizers.clone().unwrap_or_default();
+    if change.add_finalizer && !finalizers.iter().any(|f| f == FINALIZER) {
+        if deployment.metadata.finalizers.is_none() {
+            ops.push(json!({ "op": "add", "path": "/metadata/finalizers", "value": [FINALIZER] }));
+        } else {
+            ops.push(json!({ "op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER }));
+        }
+    }
+    if change.remove_finalizer
+        && let Some(index) = finalizers.iter().position(|f| f == FINALIZER)
+    {
+        ops.push(json!({ "op": "remove", "path": format!("/metadata/finalizers/{index}") }));
+    }
+    let annotations = deployment.metadata.annotations.clone().unwrap_or_default();
+    let mut annotations_exist = deployment.metadata.annotations.is_some();
+    for (key, wanted) in [
+        (SPIFFE_ID_ANNOTATION, &change.spiffe_id),
+        (ENTRY_ID_ANNOTATION, &change.entry_id),
+    ] {
+        let path = format!("/metadata/annotations/{}", escape(key));
+        match wanted {
+            Some(Some(value)) if annotations.get(key) != Some(value) => {
+                if !annotations_exist {
+                    ops.push(json!({ "op": "add", "path": "/metadata/annotations", "value": {} }));
+                    annotations_exist = true;
+                }
+                ops.push(json!({ "op": "add", "path": path, "value": value }));
+            }
+            Some(None) if annotations.contains_key(key) => {
+                ops.push(json!({ "op": "remove", "path": path }))
+            }
+            _ => {}
+        }
+    }
+    ops
+}
+
+/// Patches one Deployment. A failed `test` (the cache was stale) is not an error worth more
+/// than a debug line: the watch event that made it stale triggers the next sync.
+pub async fn patch_metadata(
+    client: &Client,
+    deployment: &Deployment,
+    change: &MetadataChange,
+) -> Result<bool, kube::Error> {
+    let ops = operations(deployment, change);
+    if ops.len() == 1 {
+        return Ok(false);
+    }
+    let namespace = deployment.namespace().unwrap_or_default();
+    let api: Api<Deployment> = Api::namespaced(client.clone(), &namespace);
+    let patch: json_patch::Patch =
+        serde_json::from_value(Value::Array(ops)).expect("our operations must form a JSON Patch");
+    api.patch(
+        &deployment.name_any(),
+        &PatchParams::default(),
+        &Patch::<()>::Json(patch),
+    )
+    .await?;
+    Ok(true)
+}
+
+/// Publishes an Event about `object`; failures are logged, never fatal (Events are advisory).
+pub async fn event<K: Resource<DynamicType = ()>>(
+    recorder: &Recorder,
+    object: &K,
+    warning: bool,
+    reason: &str,
+    note: String,
+) {
+    let event = Event {
+        type_: if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: reason.to_string(),
+        note: Some(note),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(error) = recorder.publish(&event, &object.object_ref(&())).await {
+        tracing::warn!(%error, reason, object = %object.name_any(), "publishing an Event failed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::testing::mk_deployment;
+    use std::collections::BTreeMap;
+
+    fn apply(deployment: &Deployment, change: &MetadataChange) -> Value {
+        let mut object = serde_json::to_value(deployment).expect("serializes");
+        let patch: json_patch::Patch =
+            serde_json::from_value(Value::Array(operations(deployment, change))).expect("patch");
+        json_patch::patch(&mut object, &patch).expect("applies");
+        object
+    }
+
+    #[test]
+    fn backfill_onto_a_bare_deployment() {
+        let mut d = mk_deployment("a", "web", None, &[]);
+        d.metadata.resource_version = Some("7".into());
+        let change = MetadataChange {
+            add_finalizer: true,
+            spiffe_id: Some(Some("spiffe://td/x".into())),
+            entry_id: Some(Some("sreg.c.1".into())),
+            ..Default::default()
+        };
+        let out = apply(&d, &change);
+        assert_eq!(out["metadata"]["finalizers"], json!([FINALIZER]));
+        assert_eq!(
+            out["metadata"]["annotations"][SPIFFE_ID_ANNOTATION],
+            "spiffe://td/x"
+        );
+        assert_eq!(
+            out["metadata"]["annotations"][ENTRY_ID_ANNOTATION],
+            "sreg.c.1"
+        );
+    }
+
+    #[test]
+    fn removal_keeps_other_finalizers_and_annotations() {
+        let mut d = mk_deployment("a", "web", None, &[]);
+        d.metadata.resource_version = Some("7".into());
+        d.metadata.finalizers = Some(vec!["x.io/a".into(), FINALIZER.into(), "x.io/b".into()]);
+        d.metadata.annotations = Some(BTreeMap::from([
+            ("keep".to_string(), "1".to_string()),
+            (
+                SPIFFE_ID_ANNOTATION.to_string(),
+                "spiffe://td/x".to_string(),
+            ),
+        ]));
+        let change = MetadataChange {
+            remove_finalizer: true,
+            spiffe_id: Some(None),
+            entry_id: Some(None),
+            ..Default::default()
+        };
+        let out = apply(&d, &change);
+        assert_eq!(out["metadata"]["finalizers"], json!(["x.io/a", "x.io/b"]));
+        assert_eq!(out["metadata"]["annotations"], json!({ "keep": "1" }));
+    }
+
+    #[test]
+    fn a_stale_cache_fails_the_test_operation() {
+        let mut d = mk_deployment("a", "web", None, &[]);
+        d.metadata.resource_version = Some("7".into());
+        let ops = operations(
+            &d,
+            &MetadataChange {
+                add_finalizer: true,
+                ..Default::default()
+            },
+        );
+        let mut newer = serde_json::to_value(&d).expect("serializes");
+        newer["metadata"]["resourceVersion"] = "8".into();
+        let patch: json_patch::Patch = serde_json::from_value(Value::Array(ops)).expect("patch");
+        assert!(json_patch::patch(&mut newer, &patch).is_err());
+    }
+
+    #[test]
+    fn nothing_to_change_is_only_the_test() {
+        let mut d = mk_deployment("a", "web", None, &[]);
+        d.metadata.finalizers = Some(vec![FINALIZER.into()]);
+        let change = MetadataChange {
+            add_finalizer: true,
+            entry_id: Some(None),
+            ..Default::default()
+        };
+        assert_eq!(operations(&d, &change).len(), 1);
+    }
+}
