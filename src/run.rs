@@ -49,24 +49,25 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
         synced.clone(),
     );
 
-    let leader = leader::elect(
-        client.clone(),
-        &settings.namespace,
-        &settings.replica_id,
-        settings.lease_duration,
-    )
-    .await?;
-    let controller_task = tokio::spawn(run_controller(
-        settings.clone(),
-        client.clone(),
-        index.clone(),
-        ControllerMetrics::register(&registry)?,
-        SpireMetrics::register(&registry)?,
-        trigger,
-        leader,
-        synced,
-        shutdown.clone(),
-    )))
+    let controller_task = if settings.controller {
+        let leader = leader::elect(
+            client.clone(),
+            &settings.namespace,
+            &settings.replica_id,
+            settings.lease_duration,
+        )
+        .await?;
+        Some(tokio::spawn(run_controller(
+            settings.clone(),
+            client.clone(),
+            index.clone(),
+            ControllerMetrics::register(&registry)?,
+            SpireMetrics::register(&registry)?,
+            trigger,
+            leader,
+            synced,
+            shutdown.clone(),
+        )))
     } else {
         tracing::info!("controller disabled (--controller=false): serving the webhook only");
         None

@@ -155,7 +155,11 @@ mod tests {
             selectors: vec![Selector::new("k8s", "ns:other")],
             ..e.clone()
         };
-        let p = plan(&o, &desired(std::slice::from_ref(&e)), &observed(&[tampered]));
+        let p = plan(
+            &o,
+            &desired(std::slice::from_ref(&e)),
+            &observed(&[tampered]),
+        );
         assert_eq!(p.delete, vec![e.id.clone()]);
         assert_eq!(p.create, vec![e]);
     }
