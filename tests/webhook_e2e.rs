@@ -57,6 +57,7 @@ fn env() -> &'static Env {
                 name: "registrar",
                 // Webhook only: the controller would release finalizers on its own.
                 extra_args: vec!["--serving-cert-validity=30s".into(), "--controller=false".into()],
+                extra_env: vec![],
             },
         );
         stack.track(registrar.process.pgid());

@@ -176,6 +176,15 @@ impl<A: EntryApi> Controller<A> {
             .view
             .apply(self.api.as_ref(), &self.settings.ownership, plan)
             .await;
+        if creates > 0 && failpoint("pause-after-create") {
+            // Crash tests: stop between writing entries and recording them; the test SIGKILLs
+            // the process here.
+            warn!(
+                created = report.created,
+                "failpoint pause-after-create: pausing forever"
+            );
+            std::future::pending::<()>().await;
+        }
         info!(
             creates,
             updates,
@@ -401,6 +410,16 @@ impl<A: EntryApi> Controller<A> {
             }
         }
     }
+}
+
+/// `SPIFFE_REGISTRAR_FAILPOINT=<name>`: a named crash point for crash-consistency tests. Unset
+/// in production; read once.
+fn failpoint(name: &str) -> bool {
+    static FAILPOINT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    FAILPOINT
+        .get_or_init(|| std::env::var("SPIFFE_REGISTRAR_FAILPOINT").ok())
+        .as_deref()
+        == Some(name)
 }
 
 /// Equal but for condition timestamps.

@@ -229,6 +229,7 @@ async fn through_apiserver(creates: usize) {
                     cluster_name: "bench",
                     name: "registrar",
                     extra_args: vec![],
+                    extra_env: vec![],
                 },
             )
         })

@@ -76,11 +76,23 @@ pub async fn install_crd(client: &Client) {
 }
 
 pub async fn create_namespace(client: &Client, name: &str, opted_in: bool) {
-    let labels = if opted_in {
+    create_namespace_with(client, name, opted_in, &[]).await
+}
+
+pub async fn create_namespace_with(
+    client: &Client,
+    name: &str,
+    opted_in: bool,
+    extra: &[(&str, &str)],
+) {
+    let mut labels = if opted_in {
         json!({ OPT_IN_KEY: "enabled" })
     } else {
         json!({})
     };
+    for (key, value) in extra {
+        labels[*key] = (*value).into();
+    }
     let ns: Namespace =
         serde_json::from_value(json!({ "metadata": { "name": name, "labels": labels } }))
             .expect("namespace");
@@ -94,13 +106,28 @@ pub async fn create_namespace(client: &Client, name: &str, opted_in: bool) {
 /// injects it). `failurePolicy: Fail` so a test sees every webhook failure instead of a
 /// silently skipped mutation (production uses Ignore).
 pub async fn create_webhook_configuration(client: &Client, name: &str, port: u16) {
+    create_webhook_configuration_excluding(client, name, port, None).await
+}
+
+/// As `create_webhook_configuration`, but namespaces carrying label `exclude` are not sent to
+/// the webhook: for them the webhook is as good as absent.
+pub async fn create_webhook_configuration_excluding(
+    client: &Client,
+    name: &str,
+    port: u16,
+    exclude: Option<&str>,
+) {
+    let mut selector = json!({ "matchLabels": { OPT_IN_KEY: "enabled" } });
+    if let Some(label) = exclude {
+        selector["matchExpressions"] = json!([{ "key": label, "operator": "DoesNotExist" }]);
+    }
     let config: MutatingWebhookConfiguration = serde_json::from_value(json!({
         "metadata": { "name": name },
         "webhooks": [{
             "name": "deployments.registrar.spiffe.io",
             "clientConfig": { "url": format!("https://127.0.0.1:{port}/mutate") },
             "rules": [{ "apiGroups": ["apps"], "apiVersions": ["v1"], "resources": ["deployments"], "operations": ["CREATE", "UPDATE"] }],
-            "namespaceSelector": { "matchLabels": { OPT_IN_KEY: "enabled" } },
+            "namespaceSelector": selector,
             "failurePolicy": "Fail",
             "sideEffects": "None",
             "admissionReviewVersions": ["v1"],

@@ -42,6 +42,7 @@ pub struct Options<'a> {
     /// Log name, unique per registrar in a test.
     pub name: &'a str,
     pub extra_args: Vec<String>,
+    pub extra_env: Vec<(String, String)>,
 }
 
 impl Registrar {
@@ -81,7 +82,13 @@ impl Registrar {
                 "--spire-socket={}",
                 stack.spire_server.socket.display()
             ))
-            .args(&options.extra_args);
+            .args(&options.extra_args)
+            .envs(
+                options
+                    .extra_env
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str())),
+            );
         let process = ManagedProcess::spawn(options.name, command, log_dir);
         let mut registrar = Self {
             process,

@@ -97,6 +97,21 @@ plugins {{
         stdout
     }
 
+    /// Entries matching the CLI filter `args` (e.g. `-spiffeID x`), as SPIRE's JSON.
+    pub fn entries(&self, args: &[&str]) -> Vec<serde_json::Value> {
+        let (ok, stdout, stderr) = run(self
+            .cli(&["entry", "show"])
+            .args(args)
+            .args(["-output", "json"]));
+        if !ok && (stdout.contains("Found 0 entries") || stderr.contains("Found 0 entries")) {
+            return Vec::new();
+        }
+        assert!(ok, "entry show {args:?} failed:\n{stdout}\n{stderr}");
+        let value: serde_json::Value = serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("entry show JSON: {e}: {stdout}"));
+        value["entries"].as_array().cloned().unwrap_or_default()
+    }
+
     /// Kills the server (SIGKILL) without touching its data: a crash.
     pub fn kill(&mut self) {
         self.process.kill();
