@@ -18,6 +18,8 @@ struct Cli {
 enum Command {
     /// Run the admission webhook and the controller.
     Run(Box<RunArgs>),
+    /// Print the creates, updates and deletes a sync would do now; changes nothing.
+    Plan(Box<RunArgs>),
     /// Print the SpiffeRegistration CRD as YAML.
     Crd,
     /// Webhook certificates for running outside a cluster.
@@ -67,6 +69,14 @@ fn main() -> anyhow::Result<()> {
             println!(
                 "wrote ca.crt, ca.key, tls.crt, tls.key to {}",
                 out.display()
+            );
+        }
+        Command::Plan(args) => {
+            let settings = args.validate()?;
+            let runtime = tokio::runtime::Runtime::new()?;
+            print!(
+                "{}",
+                runtime.block_on(spiffe_registrar::run::plan(settings))?
             );
         }
         Command::Run(args) => {

@@ -180,3 +180,99 @@ pub async fn stop_on_signal(shutdown: CancellationToken) {
     }
     shutdown.cancel();
 }
+
+/// `spiffe-registrar plan`: what a sync would change right now, against the live cluster and
+/// SPIRE. Reads only; writes nothing.
+pub async fn plan(settings: Settings) -> Result<String, PlanError> {
+    use std::fmt::Write;
+    let client = kube::Client::try_default().await.map_err(RunError::from)?;
+    let synced = Arc::new(AtomicBool::new(false));
+    let (index, tasks) = index::start(
+        client,
+        settings.opt_in.clone(),
+        Arc::new(Notify::new()),
+        synced.clone(),
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !synced.load(std::sync::atomic::Ordering::SeqCst) {
+        if tokio::time::Instant::now() > deadline {
+            return Err(PlanError::NotSynced);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let connection = connect(&settings.spire, Duration::from_secs(30)).await?;
+    let api = GrpcEntryClient::new(
+        connection.channel.clone(),
+        settings.ownership.clone(),
+        settings.client.clone(),
+        SpireMetrics::unregistered(),
+    );
+    let mut view = crate::controller::view::SpireView::default();
+    view.refresh(&api).await?;
+    let (desired, plan) = crate::controller::sync::plan_against(
+        &settings.ownership,
+        &settings.opt_in,
+        &index,
+        &view.entries,
+    );
+    for task in tasks {
+        task.abort();
+    }
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "cluster {}: {} Deployments seen, {} entries desired, {} ours in SPIRE",
+        settings.ownership.cluster(),
+        desired.workloads.len(),
+        desired.entries.len(),
+        view.entries.len()
+    );
+    for entry in &plan.create {
+        let needed_by = desired
+            .entries
+            .get(&entry.id)
+            .map(|d| {
+                d.needed_by
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "create {} {} (for {needed_by})",
+            entry.id, entry.spiffe_id
+        );
+    }
+    for entry in &plan.update {
+        let _ = writeln!(
+            out,
+            "update {} {} (x509 ttl {}s, jwt ttl {}s)",
+            entry.id, entry.spiffe_id, entry.x509_svid_ttl, entry.jwt_svid_ttl
+        );
+    }
+    for id in &plan.delete {
+        let spiffe_id = view
+            .entries
+            .get(id)
+            .map(|e| e.spiffe_id.as_str())
+            .unwrap_or("?");
+        let _ = writeln!(out, "delete {id} {spiffe_id}");
+    }
+    if plan.is_empty() {
+        let _ = writeln!(out, "in sync: nothing to do");
+    }
+    connection.shutdown().await;
+    Ok(out)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error(transparent)]
+    Run(#[from] RunError),
+    #[error("the caches did not sync within 60 s")]
+    NotSynced,
+    #[error(transparent)]
+    Spire(#[from] crate::spire::SpireError),
+}

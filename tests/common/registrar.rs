@@ -53,18 +53,35 @@ impl Registrar {
     /// Starts it with its webhook on a port chosen beforehand (e.g. already in a webhook
     /// configuration).
     pub fn start_on(stack: &Stack, webhook_port: u16, options: Options) -> Self {
-        Self::start_full(stack, stack.dir(), webhook_port, options)
+        Self::start_full(
+            stack,
+            stack.dir(),
+            webhook_port,
+            &stack.kube.kubeconfig,
+            options,
+        )
     }
 
     pub fn start_in(stack: &Stack, log_dir: &Path, options: Options) -> Self {
-        Self::start_full(stack, log_dir, free_port(), options)
+        Self::start_full(stack, log_dir, free_port(), &stack.kube.kubeconfig, options)
     }
 
-    fn start_full(stack: &Stack, log_dir: &Path, webhook_port: u16, options: Options) -> Self {
+    /// Runs it with other credentials than the admin's (e.g. a ServiceAccount token).
+    pub fn start_with_kubeconfig(stack: &Stack, kubeconfig: &Path, options: Options) -> Self {
+        Self::start_full(stack, stack.dir(), free_port(), kubeconfig, options)
+    }
+
+    fn start_full(
+        stack: &Stack,
+        log_dir: &Path,
+        webhook_port: u16,
+        kubeconfig: &Path,
+        options: Options,
+    ) -> Self {
         let admin_port = free_port();
         let mut command = Command::new(binary());
         command
-            .env("KUBECONFIG", &stack.kube.kubeconfig)
+            .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "info,spiffe_registrar=debug")
             .env_remove("HOSTNAME")
             .arg("run")

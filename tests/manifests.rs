@@ -1,0 +1,174 @@
+//! The manifests are proven, not assumed: the CRD is the one the code generates, the kustomize
+//! bases apply to a real kube-apiserver (server-side), and the registrar registers a Deployment
+//! with nothing but the manifests' ServiceAccount credentials (a TokenRequest token), so a
+//! missing RBAC rule fails here.
+
+mod common;
+
+use common::Stack;
+use common::k8s::{create_namespace, deployment, eventually, policy};
+use common::process::run;
+use common::registrar::{Options, Registrar};
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::Api;
+use kube::api::PostParams;
+use serde_json::json;
+use spiffe_registrar::names::ENTRY_ID_ANNOTATION;
+use spiffe_registrar::policy::SpiffeRegistration;
+use std::time::Duration;
+
+const MANIFESTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/manifests");
+
+#[test]
+fn checked_in_crd_is_what_the_code_generates() {
+    let generated = spiffe_registrar::policy::crd::yaml().expect("the CRD serializes");
+    let committed = std::fs::read_to_string(format!("{MANIFESTS}/base/crd.yaml"))
+        .expect("manifests/base/crd.yaml");
+    assert!(
+        generated == committed,
+        "manifests/base/crd.yaml is stale: run `cargo run -- crd > manifests/base/crd.yaml`"
+    );
+}
+
+#[test]
+fn crd_subcommand_prints_the_same_bytes() {
+    let (ok, stdout, stderr) =
+        run(std::process::Command::new(env!("CARGO_BIN_EXE_spiffe-registrar")).arg("crd"));
+    assert!(ok, "{stderr}");
+    let committed =
+        std::fs::read_to_string(format!("{MANIFESTS}/base/crd.yaml")).expect("crd.yaml");
+    assert!(
+        stdout == committed,
+        "`spiffe-registrar crd` differs from manifests/base/crd.yaml"
+    );
+}
+
+fn kubectl(stack: &Stack, args: &[&str]) -> String {
+    let (ok, stdout, stderr) = run(stack.kube.kubectl().args(args));
+    assert!(ok, "kubectl {args:?} failed:\n{stdout}\n{stderr}");
+    stdout
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn manifests_apply_and_their_rbac_is_enough_to_register() {
+    let mut stack = tokio::task::block_in_place(Stack::start);
+    let _logs = stack.logs_on_panic();
+    let base = format!("{MANIFESTS}/base");
+    tokio::task::block_in_place(|| {
+        kubectl(&stack, &["apply", "--server-side", "-k", &base]);
+        kubectl(
+            &stack,
+            &[
+                "wait",
+                "--for=condition=Established",
+                "crd/spifferegistrations.registrar.spiffe.io",
+                "--timeout=60s",
+            ],
+        );
+        // The sidecar variant must at least be accepted by the apiserver.
+        kubectl(&stack, &["create", "namespace", "spire"]);
+        kubectl(
+            &stack,
+            &[
+                "apply",
+                "--server-side",
+                "--dry-run=server",
+                "-k",
+                &format!("{MANIFESTS}/sidecar"),
+            ],
+        );
+    });
+
+    // Credentials of the manifests' ServiceAccount, and nothing else.
+    let token = tokio::task::block_in_place(|| {
+        kubectl(
+            &stack,
+            &[
+                "-n",
+                "spiffe-registrar",
+                "create",
+                "token",
+                "spiffe-registrar",
+                "--duration=1h",
+            ],
+        )
+    });
+    let kubeconfig = stack.dir().join("registrar.kubeconfig");
+    let ca = std::fs::read_to_string(stack.dir().join("kube-certs/ca.crt")).expect("CA");
+    std::fs::write(
+        &kubeconfig,
+        token_kubeconfig(&stack.kube.url, &ca, token.trim()),
+    )
+    .expect("kubeconfig");
+
+    let client = stack.kube.client().await;
+    let spec = json!({ "trustDomain": "example.org", "parentID": "spiffe://example.org/k8s/manifests", "ttl": "1h" });
+    Api::<SpiffeRegistration>::all(client.clone())
+        .create(&PostParams::default(), &policy("default", spec))
+        .await
+        .expect("policy");
+    create_namespace(&client, "shop", true).await;
+
+    let registrar = tokio::task::block_in_place(|| {
+        Registrar::start_with_kubeconfig(
+            &stack,
+            &kubeconfig,
+            Options {
+                namespace: "spiffe-registrar",
+                webhook_configuration: "spiffe-registrar",
+                cluster_name: "manifests",
+                name: "registrar",
+                extra_args: vec!["--resync-interval=10s".into()],
+                extra_env: vec![],
+            },
+        )
+    });
+    stack.track(registrar.process.pgid());
+
+    let api: Api<Deployment> = Api::namespaced(client.clone(), "shop");
+    api.create(&PostParams::default(), &deployment("web", Some("api")))
+        .await
+        .expect("create");
+    let entry_id = eventually("web to be registered", Duration::from_secs(60), || async {
+        let d = api.get("web").await.ok()?;
+        d.metadata.annotations?.get(ENTRY_ID_ANNOTATION).cloned()
+    })
+    .await;
+    let entries = stack.spire_server.entries(&["-entryID", &entry_id]);
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0]["spiffe_id"]["path"], "/ns/shop/sa/api");
+    // Status and Events need their own rules; wait for both.
+    eventually("policy status written", Duration::from_secs(30), || async {
+        let p = Api::<SpiffeRegistration>::all(client.clone())
+            .get("default")
+            .await
+            .ok()?;
+        p.status.filter(|s| s.entries == 1).map(|_| ())
+    })
+    .await;
+    let events = tokio::task::block_in_place(|| {
+        kubectl(&stack, &["-n", "shop", "get", "events", "-o", "json"])
+    });
+    assert!(
+        events.contains("\"Registered\""),
+        "a Registered Event was published"
+    );
+    let log = registrar.process.log_tail(100_000);
+    assert!(
+        !log.contains("forbidden"),
+        "the registrar hit an RBAC denial:\n{log}"
+    );
+    drop(registrar);
+    drop(_logs);
+    tokio::task::block_in_place(|| stack.stop());
+}
+
+fn token_kubeconfig(url: &str, ca_pem: &str, token: &str) -> String {
+    use base64::Engine;
+    let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    certificate-authority-data: {ca}\n\
+         users:\n- name: registrar\n  user:\n    token: {token}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: registrar\n\
+         current-context: test\n"
+    )
+}
