@@ -13,6 +13,7 @@ use common::k8s::{
     create_namespace_with, create_webhook_configuration_excluding, deployment, eventually,
     install_crd, policy,
 };
+use common::kube_plane::client_for;
 use common::registrar::{Options, Registrar};
 use common::stack::unique;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -91,14 +92,6 @@ fn prepare(stack: &Stack, webhook_port: u16) {
         create_webhook_configuration_excluding(&client, CONFIG, webhook_port, Some(NO_WEBHOOK))
             .await;
     });
-}
-
-async fn client_for(kubeconfig: &std::path::Path) -> Client {
-    let config = kube::config::Kubeconfig::read_from(kubeconfig).expect("kubeconfig");
-    let config = kube::Config::from_custom_kubeconfig(config, &Default::default())
-        .await
-        .expect("client config");
-    Client::try_from(config).expect("client")
 }
 
 /// One scenario's world: a policy selecting namespaces labelled `e2e/test=<tag>`.
@@ -584,6 +577,23 @@ async fn invalid_policy_reports_a_condition_and_an_event_and_registers_nothing()
     );
 }
 
+/// Starts a registrar on `stack` (webhook on `port` when given) and hands it to the sentinel.
+fn launch(
+    stack: &Stack,
+    port: Option<u16>,
+    cluster: &'static str,
+    name: &'static str,
+    env: Vec<(String, String)>,
+) -> Registrar {
+    let options = options(cluster, name, registrar_args(), env);
+    let registrar = tokio::task::block_in_place(|| match port {
+        Some(port) => Registrar::start_on(stack, port, options),
+        None => Registrar::start(stack, options),
+    });
+    stack.track(registrar.process.pgid());
+    registrar
+}
+
 /// A stack of its own with CRD and webhook configuration, for scenarios that break things.
 fn own_stack() -> (Stack, u16) {
     let stack = Stack::start();
@@ -596,14 +606,7 @@ fn own_stack() -> (Stack, u16) {
 #[tokio::test(flavor = "multi_thread")]
 async fn with_spire_down_deletion_waits_then_completes() {
     let (mut stack, port) = tokio::task::block_in_place(own_stack);
-    let registrar = tokio::task::block_in_place(|| {
-        Registrar::start_on(
-            &stack,
-            port,
-            options("down", "registrar", registrar_args(), vec![]),
-        )
-    });
-    stack.track(registrar.process.pgid());
+    let registrar = launch(&stack, Some(port), "down", "registrar", vec![]);
     let s = Scenario::new(&stack, |_| {}).await;
     let ns = s.namespace(true).await;
     let api = s.deployments(&ns);
@@ -642,18 +645,8 @@ async fn with_spire_down_deletion_waits_then_completes() {
 #[tokio::test(flavor = "multi_thread")]
 async fn two_replicas_one_writer_and_failover() {
     let (mut stack, port) = tokio::task::block_in_place(own_stack);
-    let a = tokio::task::block_in_place(|| {
-        Registrar::start_on(
-            &stack,
-            port,
-            options("ha", "replica-a", registrar_args(), vec![]),
-        )
-    });
-    stack.track(a.process.pgid());
-    let b = tokio::task::block_in_place(|| {
-        Registrar::start(&stack, options("ha", "replica-b", registrar_args(), vec![]))
-    });
-    stack.track(b.process.pgid());
+    let a = launch(&stack, Some(port), "ha", "replica-a", vec![]);
+    let b = launch(&stack, None, "ha", "replica-b", vec![]);
     let s = Scenario::new(&stack, |_| {}).await;
     // The webhook configuration points at replica-a, which may be killed: use a namespace the
     // webhook skips, so only the controllers act.
@@ -713,14 +706,7 @@ async fn crash_between_create_and_annotate_leaves_no_duplicate() {
         "SPIFFE_REGISTRAR_FAILPOINT".to_string(),
         "pause-after-create".to_string(),
     )];
-    let mut crashing = tokio::task::block_in_place(|| {
-        Registrar::start_on(
-            &stack,
-            port,
-            options("crash", "registrar", registrar_args(), env),
-        )
-    });
-    stack.track(crashing.process.pgid());
+    let mut crashing = launch(&stack, Some(port), "crash", "registrar", env);
     let s = Scenario::new(&stack, |_| {}).await;
     let ns = s.namespace(true).await;
     let api = s.deployments(&ns);
@@ -747,14 +733,7 @@ async fn crash_between_create_and_annotate_leaves_no_duplicate() {
         "killed before annotating"
     );
 
-    let restarted = tokio::task::block_in_place(|| {
-        Registrar::start_on(
-            &stack,
-            port,
-            options("crash", "restarted", registrar_args(), vec![]),
-        )
-    });
-    stack.track(restarted.process.pgid());
+    let restarted = launch(&stack, Some(port), "crash", "restarted", vec![]);
     let recorded = registered(&api, "web").await;
     let entries = stack.spire_server.entries(&["-spiffeID", &id]);
     assert_eq!(

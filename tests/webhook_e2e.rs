@@ -9,6 +9,7 @@ use common::Stack;
 use common::k8s::{
     create_namespace, create_webhook_configuration, deployment, eventually, install_crd, policy,
 };
+use common::kube_plane::client_for;
 use common::registrar::{Options, Registrar};
 use common::stack::unique;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -63,14 +64,6 @@ fn env() -> &'static Env {
         stack.track(registrar.process.pgid());
         Env { stack, _registrar: registrar }
     })
-}
-
-async fn client_for(kubeconfig: &std::path::Path) -> Client {
-    let config = kube::config::Kubeconfig::read_from(kubeconfig).expect("kubeconfig");
-    let config = kube::Config::from_custom_kubeconfig(config, &Default::default())
-        .await
-        .expect("client config");
-    Client::try_from(config).expect("client")
 }
 
 /// A namespace of the test's own, opted in or not, once the webhook is observed working there.

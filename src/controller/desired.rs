@@ -48,8 +48,10 @@ pub enum WorkloadState {
     },
     /// Not selected (namespace not opted in, no policy).
     OutOfScope,
-    /// Has a deletionTimestamp: needs nothing any more.
-    Deleting,
+    /// Has a deletionTimestamp: needs nothing any more. `would_need` is the entry it would
+    /// have under current policy, so its finalizer also waits for an entry that was created but
+    /// never recorded (a crash between the two).
+    Deleting { would_need: Option<String> },
 }
 
 #[derive(Clone, Debug)]
@@ -100,10 +102,6 @@ pub fn compute(
     let mut desired = Desired::default();
     for deployment in deployments {
         let key = key_of(deployment);
-        if deployment.metadata.deletion_timestamp.is_some() {
-            desired.workloads.insert(key, WorkloadState::Deleting);
-            continue;
-        }
         let labels = namespace_labels(&key.namespace);
         let resolution = resolve(
             opt_in,
@@ -112,6 +110,15 @@ pub fn compute(
             deployment,
             policies.iter().map(Arc::as_ref),
         );
+        if deployment.metadata.deletion_timestamp.is_some() {
+            let would_need = resolution
+                .identity()
+                .map(|i| ownership.entry_id(&i.spiffe_id, &i.parent_id, &i.selectors));
+            desired
+                .workloads
+                .insert(key, WorkloadState::Deleting { would_need });
+            continue;
+        }
         let state = match resolution {
             Resolution::OutOfScope => WorkloadState::OutOfScope,
             Resolution::Invalid { policy, error } => {

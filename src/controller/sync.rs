@@ -310,34 +310,33 @@ impl<A: EntryApi> Controller<A> {
                 )
             }
             WorkloadState::Invalid {
-                policy,
-                reason,
-                message,
+                policy, message, ..
             } => {
                 let note = format!("policy {policy}: {message}");
                 let announce =
                     self.first_time(&key, &note)
                         .then_some((true, "RegistrationFailed", note));
-                let _ = reason;
                 (MetadataChange::default(), announce)
             }
-            WorkloadState::Deleting | WorkloadState::OutOfScope => {
+            WorkloadState::Deleting { .. } | WorkloadState::OutOfScope => {
                 let ours = has_finalizer
                     || annotations.contains_key(SPIFFE_ID_ANNOTATION)
                     || annotations.contains_key(ENTRY_ID_ANNOTATION);
                 if !ours {
                     return (MetadataChange::default(), None);
                 }
-                // Released only once its entry is gone from SPIRE or needed by someone else.
-                let still_held = recorded.as_ref().is_some_and(|id| {
-                    self.view.entries.contains_key(id) && !desired.entries.contains_key(id)
+                // Released only once each entry it had (recorded) or would have (current policy)
+                // is gone from SPIRE or needed by someone else.
+                let would_need = match state {
+                    WorkloadState::Deleting { would_need } => would_need.clone(),
+                    _ => None,
+                };
+                let pending = recorded.iter().chain(would_need.iter()).find(|id| {
+                    self.view.entries.contains_key(*id) && !desired.entries.contains_key(*id)
                 });
-                if still_held {
-                    if let Some(error) = recorded.as_ref().and_then(|id| report.failures.get(id)) {
-                        let note = format!(
-                            "waiting to delete entry {}: {error}",
-                            recorded.as_deref().unwrap_or_default()
-                        );
+                if let Some(pending) = pending {
+                    if let Some(error) = report.failures.get(pending) {
+                        let note = format!("waiting to delete entry {pending}: {error}");
                         let announce = self.first_time(&key, &note).then_some((
                             true,
                             "DeregistrationFailed",

@@ -181,20 +181,7 @@ pub fn render(spec: &SpiffeRegistrationSpec, workload: &Workload) -> Result<Iden
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    pub fn mk_spec() -> SpiffeRegistrationSpec {
-        SpiffeRegistrationSpec {
-            trust_domain: "example.org".into(),
-            parent_id: "spiffe://example.org/k8s/cluster/nodes".into(),
-            ttl: Some("1h".into()),
-            jwt_ttl: None,
-            namespace_selector: None,
-            deployment_selector: None,
-            spiffe_id_template: None,
-            dns_names: vec![],
-            federates_with: vec![],
-        }
-    }
+    use crate::policy::testing::mk_spec;
 
     const WL: Workload<'static> = Workload {
         namespace: "payments",
@@ -205,7 +192,7 @@ mod tests {
     fn default_template_renders_namespace_and_service_account() {
         let id = render(&mk_spec(), &WL).expect("valid");
         assert_eq!(id.spiffe_id, "spiffe://example.org/ns/payments/sa/api");
-        assert_eq!(id.parent_id, "spiffe://example.org/k8s/cluster/nodes");
+        assert_eq!(id.parent_id, "spiffe://example.org/k8s/nodes");
         assert_eq!(
             id.selectors,
             vec![

@@ -4,13 +4,9 @@ use super::crd::{SpiffeRegistration, SpiffeRegistrationSpec};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-/// A valid policy named `name`, created `created` seconds after the epoch, edited by `edit`.
-pub fn mk_policy(
-    name: &str,
-    created: i64,
-    edit: impl FnOnce(&mut SpiffeRegistrationSpec),
-) -> SpiffeRegistration {
-    let mut spec = SpiffeRegistrationSpec {
+/// A valid policy spec: example.org, parent `spiffe://example.org/k8s/nodes`, 1h TTL.
+pub fn mk_spec() -> SpiffeRegistrationSpec {
+    SpiffeRegistrationSpec {
         trust_domain: "example.org".into(),
         parent_id: "spiffe://example.org/k8s/nodes".into(),
         ttl: Some("1h".into()),
@@ -20,7 +16,16 @@ pub fn mk_policy(
         spiffe_id_template: None,
         dns_names: vec![],
         federates_with: vec![],
-    };
+    }
+}
+
+/// A valid policy named `name`, created `created` seconds after the epoch, edited by `edit`.
+pub fn mk_policy(
+    name: &str,
+    created: i64,
+    edit: impl FnOnce(&mut SpiffeRegistrationSpec),
+) -> SpiffeRegistration {
+    let mut spec = mk_spec();
     edit(&mut spec);
     let mut policy = SpiffeRegistration::new(name, spec);
     policy.metadata.creation_timestamp = Some(Time(
@@ -49,7 +54,12 @@ pub fn mk_deployment(
     serde_json::from_value(serde_json::json!({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": { "name": name, "namespace": namespace, "labels": labels, "uid": format!("uid-{namespace}-{name}") },
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": labels,
+            "uid": format!("uid-{namespace}-{name}")
+        },
         "spec": {
             "selector": { "matchLabels": { "app": name } },
             "template": { "metadata": { "labels": { "app": name } }, "spec": pod_spec }

@@ -148,25 +148,11 @@ impl GrpcEntryClient {
             .call("batch_create", request, |mut c, r| async move {
                 c.batch_create_entry(r).await
             })
-            .await;
-        match response {
-            Ok(response) if response.results.len() == chunk.len() => chunk
-                .iter()
-                .zip(response.results)
-                .map(|(entry, result)| {
-                    create_result(&entry.id, result.status.as_ref(), result.entry)
-                })
-                .collect(),
-            Ok(response) => failed_items(
-                chunk.iter().map(|e| &e.id),
-                SpireError::ResultCount {
-                    op: "batch_create",
-                    sent: chunk.len(),
-                    got: response.results.len(),
-                },
-            ),
-            Err(error) => failed_items(chunk.iter().map(|e| &e.id), error),
-        }
+            .await
+            .map(|r| r.results);
+        per_item("batch_create", ids(chunk), response, |id, r| {
+            create_result(id, r.status.as_ref(), r.entry)
+        })
     }
 
     async fn update_chunk(&self, chunk: &[Entry]) -> Vec<EntryResult> {
@@ -179,25 +165,11 @@ impl GrpcEntryClient {
             .call("batch_update", request, |mut c, r| async move {
                 c.batch_update_entry(r).await
             })
-            .await;
-        match response {
-            Ok(response) if response.results.len() == chunk.len() => chunk
-                .iter()
-                .zip(response.results)
-                .map(|(entry, result)| {
-                    update_result(&entry.id, result.status.as_ref(), result.entry)
-                })
-                .collect(),
-            Ok(response) => failed_items(
-                chunk.iter().map(|e| &e.id),
-                SpireError::ResultCount {
-                    op: "batch_update",
-                    sent: chunk.len(),
-                    got: response.results.len(),
-                },
-            ),
-            Err(error) => failed_items(chunk.iter().map(|e| &e.id), error),
-        }
+            .await
+            .map(|r| r.results);
+        per_item("batch_update", ids(chunk), response, |id, r| {
+            update_result(id, r.status.as_ref(), r.entry)
+        })
     }
 
     async fn delete_chunk(&self, chunk: &[String]) -> Vec<DeleteResult> {
@@ -208,23 +180,39 @@ impl GrpcEntryClient {
             .call("batch_delete", request, |mut c, r| async move {
                 c.batch_delete_entry(r).await
             })
-            .await;
-        match response {
-            Ok(response) if response.results.len() == chunk.len() => chunk
-                .iter()
-                .zip(response.results)
-                .map(|(id, result)| delete_result(id, result.status.as_ref()))
-                .collect(),
-            Ok(response) => failed_items(
-                chunk.iter(),
-                SpireError::ResultCount {
-                    op: "batch_delete",
-                    sent: chunk.len(),
-                    got: response.results.len(),
-                },
-            ),
-            Err(error) => failed_items(chunk.iter(), error),
+            .await
+            .map(|r| r.results);
+        per_item("batch_delete", chunk.to_vec(), response, |id, r| {
+            delete_result(id, r.status.as_ref())
+        })
+    }
+}
+
+fn ids(entries: &[Entry]) -> Vec<String> {
+    entries.iter().map(|e| e.id.clone()).collect()
+}
+
+/// Pairs each sent ID with its result (SPIRE answers one per item, in order). A request that
+/// failed as a whole, or an answer of the wrong length, fails every item of the chunk.
+fn per_item<R, T>(
+    op: &'static str,
+    ids: Vec<String>,
+    response: Result<Vec<R>, SpireError>,
+    map: impl Fn(&str, R) -> Result<T, ItemError>,
+) -> Vec<Result<T, ItemError>> {
+    match response {
+        Ok(results) if results.len() == ids.len() => {
+            ids.iter().zip(results).map(|(id, r)| map(id, r)).collect()
         }
+        Ok(results) => {
+            let error = SpireError::ResultCount {
+                op,
+                sent: ids.len(),
+                got: results.len(),
+            };
+            failed_items(ids.iter(), error)
+        }
+        Err(error) => failed_items(ids.iter(), error),
     }
 }
 

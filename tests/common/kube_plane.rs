@@ -102,18 +102,23 @@ impl KubePlane {
 
     /// A client authenticated as the admin (`system:masters`).
     pub async fn client(&self) -> kube::Client {
-        let kubeconfig = kube::config::Kubeconfig::read_from(&self.kubeconfig)
-            .expect("the test kubeconfig must parse");
-        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
-            .await
-            .expect("the test kubeconfig must yield a client config");
-        kube::Client::try_from(config).expect("a client must build from the test kubeconfig")
+        client_for(&self.kubeconfig).await
     }
 
     pub fn stop(&mut self) {
         self.apiserver.stop(Duration::from_secs(10));
         self.etcd.stop(Duration::from_secs(10));
     }
+}
+
+/// A client from a kubeconfig file (for set-up threads that only have the path).
+pub async fn client_for(kubeconfig: &Path) -> kube::Client {
+    let kubeconfig =
+        kube::config::Kubeconfig::read_from(kubeconfig).expect("the test kubeconfig must parse");
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .expect("the test kubeconfig must yield a client config");
+    kube::Client::try_from(config).expect("a client must build from the test kubeconfig")
 }
 
 pub fn kubectl_command(kubeconfig: &Path) -> Command {
