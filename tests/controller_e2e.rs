@@ -134,6 +134,18 @@ impl Scenario {
         name
     }
 
+    /// An opted-in namespace with Deployment `web` (service account `default`), once registered:
+    /// (namespace, its Deployments, the recorded entry ID).
+    async fn registered_web(&self) -> (String, Api<Deployment>, String) {
+        let ns = self.namespace(true).await;
+        let api = self.deployments(&ns);
+        api.create(&PostParams::default(), &deployment("web", None))
+            .await
+            .expect("create");
+        let entry_id = registered(&api, "web").await;
+        (ns, api, entry_id)
+    }
+
     fn deployments(&self, ns: &str) -> Api<Deployment> {
         Api::namespaced(self.client.clone(), ns)
     }
@@ -310,12 +322,7 @@ async fn policy_ttl_change_updates_the_entry_in_place() {
     let env = tokio_env();
     let _logs = env.stack.logs_on_panic();
     let s = Scenario::new(env.stack, |_| {}).await;
-    let ns = s.namespace(true).await;
-    let api = s.deployments(&ns);
-    api.create(&PostParams::default(), &deployment("web", None))
-        .await
-        .expect("create");
-    let before = registered(&api, "web").await;
+    let (ns, _api, before) = s.registered_web().await;
     let patch = json!({ "spec": { "ttl": "15m", "jwtTtl": "5m" } });
     s.policies()
         .patch(&s.tag, &PatchParams::default(), &Patch::Merge(&patch))
@@ -339,12 +346,7 @@ async fn entry_deleted_by_hand_is_recreated_within_a_resync() {
     let env = tokio_env();
     let _logs = env.stack.logs_on_panic();
     let s = Scenario::new(env.stack, |_| {}).await;
-    let ns = s.namespace(true).await;
-    let api = s.deployments(&ns);
-    api.create(&PostParams::default(), &deployment("web", None))
-        .await
-        .expect("create");
-    let recorded = registered(&api, "web").await;
+    let (ns, _api, recorded) = s.registered_web().await;
     env.stack
         .spire_server
         .cli_ok(&["entry", "delete"], &["-entryID", &recorded]);
@@ -369,12 +371,7 @@ async fn namespace_label_removed_deletes_entries_and_releases_finalizers() {
     let env = tokio_env();
     let _logs = env.stack.logs_on_panic();
     let s = Scenario::new(env.stack, |_| {}).await;
-    let ns = s.namespace(true).await;
-    let api = s.deployments(&ns);
-    api.create(&PostParams::default(), &deployment("web", None))
-        .await
-        .expect("create");
-    registered(&api, "web").await;
+    let (ns, api, _) = s.registered_web().await;
     let patch = json!({ "metadata": { "labels": { "spiffe.io/registrar": null } } });
     Api::<Namespace>::all(s.client.clone())
         .patch(&ns, &PatchParams::default(), &Patch::Merge(&patch))
@@ -395,12 +392,7 @@ async fn policy_deleted_deletes_entries_and_releases_finalizers() {
     let env = tokio_env();
     let _logs = env.stack.logs_on_panic();
     let s = Scenario::new(env.stack, |_| {}).await;
-    let ns = s.namespace(true).await;
-    let api = s.deployments(&ns);
-    api.create(&PostParams::default(), &deployment("web", None))
-        .await
-        .expect("create");
-    registered(&api, "web").await;
+    let (ns, api, _) = s.registered_web().await;
     s.policies()
         .delete(&s.tag, &DeleteParams::default())
         .await
@@ -608,12 +600,7 @@ async fn with_spire_down_deletion_waits_then_completes() {
     let (mut stack, port) = tokio::task::block_in_place(own_stack);
     let registrar = launch(&stack, Some(port), "down", "registrar", vec![]);
     let s = Scenario::new(&stack, |_| {}).await;
-    let ns = s.namespace(true).await;
-    let api = s.deployments(&ns);
-    api.create(&PostParams::default(), &deployment("web", None))
-        .await
-        .expect("create");
-    registered(&api, "web").await;
+    let (ns, api, _) = s.registered_web().await;
 
     stack.spire_server.stop();
     api.delete("web", &DeleteParams::default())
@@ -745,4 +732,70 @@ async fn crash_between_create_and_annotate_leaves_no_duplicate() {
     drop(restarted);
     drop(crashing);
     tokio::task::block_in_place(|| stack.stop());
+}
+
+// Break-glass: a finalizer removed by hand (the registrar never sees the Deployment go through
+// its finalizer); the orphaned entry is garbage-collected.
+#[tokio::test(flavor = "multi_thread")]
+async fn forcibly_removed_finalizer_orphans_are_garbage_collected() {
+    let env = tokio_env();
+    let _logs = env.stack.logs_on_panic();
+    let s = Scenario::new(env.stack, |_| {}).await;
+    let (ns, api, recorded) = s.registered_web().await;
+    let remove = json!([{ "op": "remove", "path": "/metadata/finalizers" }]);
+    api.patch(
+        "web",
+        &PatchParams::default(),
+        &Patch::<()>::Json(serde_json::from_value(remove).expect("patch")),
+    )
+    .await
+    .expect("finalizer removal");
+    api.delete("web", &DeleteParams::default())
+        .await
+        .expect("delete");
+    gone(&api, "web").await;
+    no_entries(env.stack, &spiffe_id(&ns, "default")).await;
+    assert!(
+        env.stack
+            .spire_server
+            .entries(&["-entryID", &recorded])
+            .is_empty()
+    );
+}
+
+// `spiffe-registrar plan` shows what a sync would do and changes nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn plan_prints_the_changes_and_writes_nothing() {
+    let env = tokio_env();
+    let _logs = env.stack.logs_on_panic();
+    let s = Scenario::new(env.stack, |_| {}).await;
+    let (ns, _api, _) = s.registered_web().await;
+    // A cluster name with no entries yet: everything in scope is a create.
+    let output = tokio::task::block_in_place(|| {
+        common::process::run(
+            std::process::Command::new(common::registrar::binary())
+                .env("KUBECONFIG", &env.stack.kube.kubeconfig)
+                .args(["plan", "--cluster-name=e2e-plan"])
+                .arg(format!(
+                    "--spire-socket={}",
+                    env.stack.spire_server.socket.display()
+                )),
+        )
+    });
+    let (ok, stdout, stderr) = output;
+    assert!(ok, "plan failed: {stderr}");
+    let wanted = format!("{} (for {ns}/web)", spiffe_id(&ns, "default"));
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("create sreg.e2e-plan.") && l.ends_with(&wanted)),
+        "{stdout}"
+    );
+    assert!(
+        env.stack
+            .spire_server
+            .entries(&["-hint", "spiffe-registrar/e2e-plan"])
+            .is_empty(),
+        "plan wrote to SPIRE"
+    );
 }

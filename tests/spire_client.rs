@@ -357,7 +357,11 @@ async fn invalid_entries_fail_permanently_with_spires_message() {
 async fn survives_a_spire_server_crash_mid_sequence() {
     let mut stack = tokio::task::block_in_place(Stack::start);
     let endpoint = uds_endpoint(&stack);
-    let (client, _connection) = client(&endpoint, "crash").await;
+    // A generous budget: on a loaded 2-core CI machine a restart can take a while, and the
+    // claim here is that the client rides it out, not how fast the server comes back.
+    let mut patient = settings();
+    patient.retry.budget = Duration::from_secs(120);
+    let (client, _connection) = client_with(&endpoint, "crash", patient).await;
     let client = std::sync::Arc::new(client);
     let ownership = client.ownership().clone();
     let parent = stack.spire_agent.agent_id.clone();
@@ -400,12 +404,13 @@ async fn survives_a_spire_server_crash_mid_sequence() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     tokio::task::block_in_place(|| stack.spire_server.restart());
     stack.record_groups();
+    let deleted = deleter.await.expect("deleter task");
+    let failed: Vec<_> = deleted.iter().filter(|r| r.is_err()).collect();
     assert!(
-        deleter
-            .await
-            .expect("deleter task")
-            .iter()
-            .all(Result::is_ok)
+        failed.is_empty(),
+        "{} deletes failed after the restart, e.g. {:?}",
+        failed.len(),
+        failed.first()
     );
     assert!(
         client.list_ours().await.expect("list").is_empty(),

@@ -37,3 +37,52 @@ pub async fn watch(cert: PathBuf, key: PathBuf, serving: Arc<ReloadableCert>, in
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::certs::generate::{new_ca, new_serving};
+
+    #[tokio::test]
+    async fn a_renewed_pair_is_served_and_a_half_written_one_is_not() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        let ca = new_ca(Duration::from_secs(3600)).expect("ca");
+        let first =
+            new_serving(&ca, &["a.svc".into()], &[], Duration::from_secs(3600)).expect("leaf");
+        std::fs::write(&cert, &first.cert_pem).expect("write");
+        std::fs::write(&key, &first.key_pem).expect("write");
+        let serving = Arc::new(
+            ReloadableCert::new(first.cert_pem.as_bytes(), first.key_pem.as_bytes()).expect("load"),
+        );
+        let original = serving.leaf_der();
+        let task = tokio::spawn(watch(
+            cert.clone(),
+            key.clone(),
+            serving.clone(),
+            Duration::from_millis(20),
+        ));
+
+        // A certificate whose key has not been written yet: keep serving the old pair.
+        let second =
+            new_serving(&ca, &["a.svc".into()], &[], Duration::from_secs(3600)).expect("leaf");
+        std::fs::write(&cert, &second.cert_pem).expect("write");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            serving.leaf_der(),
+            original,
+            "a mismatched pair must not be served"
+        );
+
+        std::fs::write(&key, &second.key_pem).expect("write");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while serving.leaf_der() == original {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the renewed pair was not picked up"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        task.abort();
+    }
+}

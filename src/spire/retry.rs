@@ -43,7 +43,8 @@ impl RetryPolicy {
 }
 
 /// Request-level codes worth retrying: the server is unreachable, restarting, overloaded, or
-/// the call outlived its deadline. Connection refused surfaces as `Unavailable`.
+/// the call outlived its deadline. Connection refused surfaces as `Unavailable`; a server that
+/// dies mid-call can surface as `Cancelled` or `Unknown`.
 pub fn is_transient(code: tonic::Code) -> bool {
     matches!(
         code,
@@ -51,6 +52,7 @@ pub fn is_transient(code: tonic::Code) -> bool {
             | tonic::Code::DeadlineExceeded
             | tonic::Code::ResourceExhausted
             | tonic::Code::Aborted
+            | tonic::Code::Cancelled
             | tonic::Code::Unknown
     )
 }

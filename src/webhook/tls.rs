@@ -36,7 +36,13 @@ pub fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<CertifiedKey, Tl
     let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| TlsError::Key(e.to_string()))?;
     let signing_key = rustls::crypto::ring::sign::any_supported_type(&key)
         .map_err(|e| TlsError::Key(e.to_string()))?;
-    Ok(CertifiedKey::new(chain, signing_key))
+    let certified = CertifiedKey::new(chain, signing_key);
+    // A certificate and key from different pairs (e.g. files caught mid-renewal) would fail
+    // every handshake; refuse them here instead.
+    certified
+        .keys_match()
+        .map_err(|e| TlsError::Key(format!("key does not match the certificate: {e}")))?;
+    Ok(certified)
 }
 
 /// The serving certificate, replaceable at run time.
