@@ -10,8 +10,8 @@ mod common;
 
 use common::Stack;
 use common::k8s::{
-    create_namespace_with, create_webhook_configuration_excluding, deployment, eventually,
-    install_crd, policy,
+    annotation, create_namespace_with, create_webhook_configuration_excluding, deployment,
+    eventually, has_finalizer, install_crd, policy,
 };
 use common::kube_plane::client_for;
 use common::registrar::{Options, Registrar};
@@ -21,7 +21,7 @@ use k8s_openapi::api::core::v1::{Event, Namespace};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
-use spiffe_registrar::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
+use spiffe_registrar::names::{ENTRY_ID_ANNOTATION, SPIFFE_ID_ANNOTATION};
 use spiffe_registrar::policy::SpiffeRegistration;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -165,22 +165,6 @@ fn entries_for(stack: &Stack, id: &str) -> Vec<Value> {
 
 fn entry_id(entry: &Value) -> String {
     entry["id"].as_str().expect("entry id").to_string()
-}
-
-fn annotation<'a>(d: &'a Deployment, key: &str) -> Option<&'a str> {
-    d.metadata
-        .annotations
-        .as_ref()?
-        .get(key)
-        .map(String::as_str)
-}
-
-fn has_finalizer(d: &Deployment) -> bool {
-    d.metadata
-        .finalizers
-        .iter()
-        .flatten()
-        .any(|f| f == FINALIZER)
 }
 
 /// Waits until the Deployment records an entry ID and returns it.

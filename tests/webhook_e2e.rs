@@ -7,7 +7,8 @@ mod common;
 
 use common::Stack;
 use common::k8s::{
-    create_namespace, create_webhook_configuration, deployment, eventually, install_crd, policy,
+    annotation, create_namespace, create_webhook_configuration, deployment, eventually,
+    has_finalizer, install_crd, policy,
 };
 use common::kube_plane::client_for;
 use common::registrar::{Options, Registrar};
@@ -98,22 +99,6 @@ async fn namespace(client: &Client, opted_in: bool) -> String {
     name
 }
 
-fn annotation(d: &Deployment) -> Option<&str> {
-    d.metadata
-        .annotations
-        .as_ref()?
-        .get(SPIFFE_ID_ANNOTATION)
-        .map(String::as_str)
-}
-
-fn has_finalizer(d: &Deployment) -> bool {
-    d.metadata
-        .finalizers
-        .iter()
-        .flatten()
-        .any(|f| f == FINALIZER)
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn labelled_namespace_gets_finalizer_and_policy_id() {
     let env = tokio::task::block_in_place(env);
@@ -127,7 +112,7 @@ async fn labelled_namespace_gets_finalizer_and_policy_id() {
     let stored = api.get("web").await.expect("stored");
     assert!(has_finalizer(&stored));
     assert_eq!(
-        annotation(&stored),
+        annotation(&stored, SPIFFE_ID_ANNOTATION),
         Some(format!("spiffe://{TRUST_DOMAIN}/ns/{ns}/sa/api").as_str())
     );
 }
@@ -146,7 +131,7 @@ async fn unlabelled_namespace_is_untouched() {
         .expect("create");
     let stored = api.get("web").await.expect("stored");
     assert!(!has_finalizer(&stored));
-    assert_eq!(annotation(&stored), None);
+    assert_eq!(annotation(&stored, SPIFFE_ID_ANNOTATION), None);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -169,7 +154,7 @@ async fn user_written_spiffe_id_is_replaced() {
         .expect("create");
     let expected = format!("spiffe://{TRUST_DOMAIN}/ns/{ns}/sa/api");
     assert_eq!(
-        annotation(&api.get("web").await.expect("stored")),
+        annotation(&api.get("web").await.expect("stored"), SPIFFE_ID_ANNOTATION),
         Some(expected.as_str())
     );
     // And on UPDATE too.
@@ -178,7 +163,7 @@ async fn user_written_spiffe_id_is_replaced() {
         .await
         .expect("patch");
     assert_eq!(
-        annotation(&api.get("web").await.expect("stored")),
+        annotation(&api.get("web").await.expect("stored"), SPIFFE_ID_ANNOTATION),
         Some(expected.as_str())
     );
 }
@@ -202,7 +187,7 @@ async fn server_side_dry_run_returns_the_patched_object_and_persists_nothing() {
         .expect("dry-run create");
     assert!(has_finalizer(&answered));
     assert_eq!(
-        annotation(&answered),
+        annotation(&answered, SPIFFE_ID_ANNOTATION),
         Some(format!("spiffe://{TRUST_DOMAIN}/ns/{ns}/sa/default").as_str())
     );
     assert!(

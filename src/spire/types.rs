@@ -28,7 +28,7 @@ impl fmt::Display for Selector {
 /// A registration entry, desired or observed.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct Entry {
-    /// Deterministic for entries we create (`ids::entry_id`); assigned by SPIRE otherwise.
+    /// Deterministic for entries we create (`Ownership::entry_id`); assigned by SPIRE otherwise.
     pub id: String,
     /// Full SPIFFE ID, `spiffe://<trust domain><path>`.
     pub spiffe_id: String,

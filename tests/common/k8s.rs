@@ -168,3 +168,21 @@ pub fn policy(name: &str, spec: serde_json::Value) -> SpiffeRegistration {
     }))
     .expect("policy JSON")
 }
+
+/// The value of annotation `key` on a Deployment.
+pub fn annotation<'a>(d: &'a Deployment, key: &str) -> Option<&'a str> {
+    d.metadata
+        .annotations
+        .as_ref()?
+        .get(key)
+        .map(String::as_str)
+}
+
+/// Whether the Deployment carries our finalizer.
+pub fn has_finalizer(d: &Deployment) -> bool {
+    d.metadata
+        .finalizers
+        .iter()
+        .flatten()
+        .any(|f| f == spiffe_registrar::names::FINALIZER)
+}
