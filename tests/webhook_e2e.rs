@@ -284,3 +284,75 @@ async fn serving_cert_rotation_fails_no_create() {
         certificates.len()
     );
 }
+
+/// Completes a TLS handshake with 127.0.0.1:`port` trusting only `ca_pem`.
+async fn handshake_trusting(port: u16, ca_pem: &[u8]) -> Result<(), String> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem) {
+        roots
+            .add(cert.map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").map_err(|e| e.to_string())?;
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name.to_owned(), tcp)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replicas_racing_for_the_secret_serve_one_certificate() {
+    let env = tokio::task::block_in_place(env);
+    let _logs = env.stack.logs_on_panic();
+    let secret = unique("race-tls");
+    let stack = env.stack;
+    // Both start at once against an absent Secret.
+    let start = |name: &'static str| {
+        let secret = secret.clone();
+        std::thread::spawn(move || {
+            Registrar::start(
+                stack,
+                Options {
+                    namespace: HOME,
+                    webhook_configuration: "absent-configuration",
+                    cluster_name: "race",
+                    name,
+                    extra_args: vec![
+                        format!("--cert-secret={secret}"),
+                        "--controller=false".into(),
+                    ],
+                    extra_env: vec![],
+                },
+            )
+        })
+    };
+    let (a, b) = (start("race-a"), start("race-b"));
+    let (a, b) = (a.join().expect("replica a"), b.join().expect("replica b"));
+    stack.track(a.process.pgid());
+    stack.track(b.process.pgid());
+    let client = stack.kube.client().await;
+    let stored = Api::<Secret>::namespaced(client, HOME)
+        .get(&secret)
+        .await
+        .expect("one Secret");
+    let ca = stored.data.expect("data")["ca.crt"].0.clone();
+    for (name, registrar) in [("a", &a), ("b", &b)] {
+        handshake_trusting(registrar.webhook_port, &ca)
+            .await
+            .unwrap_or_else(|e| {
+                panic!("replica {name} does not serve a certificate of the Secret's CA: {e}")
+            });
+    }
+}
