@@ -8,6 +8,7 @@ use kube::api::{Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::{Value, json};
+use std::sync::Arc;
 
 /// What a Deployment's metadata should become.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -118,6 +119,31 @@ pub async fn event<K: Resource<DynamicType = ()>>(
     if let Err(error) = recorder.publish(&event, &object.object_ref(&())).await {
         tracing::warn!(%error, reason, object = %object.name_any(), "publishing an Event failed");
     }
+}
+
+/// Patches one Deployment and publishes its Event; true when the patch failed (retry).
+pub async fn write_workload(
+    client: &Client,
+    recorder: &Recorder,
+    deployment: Arc<Deployment>,
+    change: MetadataChange,
+    announce: Option<(bool, &'static str, String)>,
+) -> bool {
+    if !change.is_empty() {
+        match patch_metadata(client, &deployment, &change).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => return false,
+            Err(error) => {
+                let key = super::desired::key_of(&deployment);
+                tracing::debug!(deployment = %key.name, namespace = %key.namespace, %error, "patch failed (stale cache?); will retry");
+                return true;
+            }
+        }
+    }
+    if let Some((warning, reason, note)) = announce {
+        event(recorder, deployment.as_ref(), warning, reason, note).await;
+    }
+    false
 }
 
 #[cfg(test)]

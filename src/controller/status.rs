@@ -127,6 +127,23 @@ pub fn compute(
     }
 }
 
+/// Equal but for condition timestamps.
+pub fn same_status(
+    a: &crate::policy::SpiffeRegistrationStatus,
+    b: &crate::policy::SpiffeRegistrationStatus,
+) -> bool {
+    let strip = |s: &crate::policy::SpiffeRegistrationStatus| {
+        let mut s = s.clone();
+        for c in &mut s.conditions {
+            c.last_transition_time = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            );
+        }
+        s
+    };
+    strip(a) == strip(b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

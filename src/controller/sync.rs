@@ -3,7 +3,7 @@
 use super::desired::{self, DeploymentKey, Desired, WorkloadState, key_of, recorded_entry_id};
 use super::diff::{self, Plan};
 use super::metrics::ControllerMetrics;
-use super::record::{MetadataChange, event, patch_metadata};
+use super::record::{MetadataChange, event, write_workload};
 use super::status;
 use super::view::{ApplyReport, SpireView};
 use crate::index::Index;
@@ -388,7 +388,7 @@ impl<A: EntryApi> Controller<A> {
             let unchanged = policy
                 .status
                 .as_ref()
-                .is_some_and(|current| same_status(current, &wanted));
+                .is_some_and(|current| status::same_status(current, &wanted));
             if !unchanged {
                 let patch = serde_json::json!({ "status": wanted });
                 if let Err(error) = api
@@ -413,31 +413,6 @@ impl<A: EntryApi> Controller<A> {
     }
 }
 
-/// Patches one Deployment and publishes its Event; true when the patch failed (retry).
-async fn write_workload(
-    client: &Client,
-    recorder: &Recorder,
-    deployment: Arc<Deployment>,
-    change: MetadataChange,
-    announce: Option<(bool, &'static str, String)>,
-) -> bool {
-    if !change.is_empty() {
-        match patch_metadata(client, &deployment, &change).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(status)) if status.code == 404 => return false,
-            Err(error) => {
-                let key = key_of(&deployment);
-                debug!(deployment = %key.name, namespace = %key.namespace, %error, "patch failed (stale cache?); will retry");
-                return true;
-            }
-        }
-    }
-    if let Some((warning, reason, note)) = announce {
-        event(recorder, deployment.as_ref(), warning, reason, note).await;
-    }
-    false
-}
-
 /// `SPIFFE_REGISTRAR_FAILPOINT=<name>`: a named crash point for crash-consistency tests. Unset
 /// in production; read once.
 fn failpoint(name: &str) -> bool {
@@ -446,23 +421,6 @@ fn failpoint(name: &str) -> bool {
         .get_or_init(|| std::env::var("SPIFFE_REGISTRAR_FAILPOINT").ok())
         .as_deref()
         == Some(name)
-}
-
-/// Equal but for condition timestamps.
-fn same_status(
-    a: &crate::policy::SpiffeRegistrationStatus,
-    b: &crate::policy::SpiffeRegistrationStatus,
-) -> bool {
-    let strip = |s: &crate::policy::SpiffeRegistrationStatus| {
-        let mut s = s.clone();
-        for c in &mut s.conditions {
-            c.last_transition_time = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
-            );
-        }
-        s
-    };
-    strip(a) == strip(b)
 }
 
 /// Desired-state view for `spiffe-registrar plan`.
