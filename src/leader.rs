@@ -7,6 +7,7 @@ use kube::Client;
 use kube_lease_manager::LeaseManagerBuilder;
 use std::time::Duration;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 pub const LEASE_NAME: &str = "spiffe-registrar-leader";
 
@@ -18,13 +19,14 @@ pub struct LeaderError {
 }
 
 /// Starts competing for the Lease; the receiver says whether we hold it. Dropping it releases
-/// the Lease.
+/// the Lease; the handle finishes once that release is done (await it before exiting, so the
+/// next leader does not have to wait for the Lease to expire).
 pub async fn elect(
     client: Client,
     namespace: &str,
     identity: &str,
     duration: Duration,
-) -> Result<watch::Receiver<bool>, LeaderError> {
+) -> Result<(watch::Receiver<bool>, JoinHandle<()>), LeaderError> {
     let seconds = duration.as_secs().max(2);
     let manager = LeaseManagerBuilder::new(client, LEASE_NAME)
         .with_namespace(namespace)
@@ -38,10 +40,12 @@ pub async fn elect(
             source,
         })?;
     let (leader, task) = manager.watch().await;
-    tokio::spawn(async move {
-        if let Ok(Err(error)) = task.await {
-            tracing::error!(%error, "leader election stopped");
+    let done = tokio::spawn(async move {
+        match task.await {
+            Ok(Ok(_)) => tracing::info!("released the leader Lease"),
+            Ok(Err(error)) => tracing::error!(%error, "leader election stopped"),
+            Err(error) => tracing::error!(%error, "leader election task failed"),
         }
     });
-    Ok(leader)
+    Ok((leader, done))
 }

@@ -50,24 +50,27 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     );
 
     let controller_task = if settings.controller {
-        let leader = leader::elect(
+        let (leader, lease_task) = leader::elect(
             client.clone(),
             &settings.namespace,
             &settings.replica_id,
             settings.lease_duration,
         )
         .await?;
-        Some(tokio::spawn(run_controller(
-            settings.clone(),
-            client.clone(),
-            index.clone(),
-            ControllerMetrics::register(&registry)?,
-            SpireMetrics::register(&registry)?,
-            trigger,
-            leader,
-            synced,
-            shutdown.clone(),
-        )))
+        Some((
+            lease_task,
+            tokio::spawn(run_controller(
+                settings.clone(),
+                client.clone(),
+                index.clone(),
+                ControllerMetrics::register(&registry)?,
+                SpireMetrics::register(&registry)?,
+                trigger,
+                leader,
+                synced,
+                shutdown.clone(),
+            )),
+        ))
     } else {
         tracing::info!("controller disabled (--controller=false): serving the webhook only");
         None
@@ -112,8 +115,11 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     )
     .await;
     let _ = admin_task.await;
-    if let Some(task) = controller_task {
-        let _ = task.await;
+    if let Some((lease_task, controller)) = controller_task {
+        // The controller drops its leadership receiver when it ends; the Lease is then released
+        // so another replica takes over at once instead of after the lease duration.
+        let _ = controller.await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), lease_task).await;
     }
     tracing::info!("stopped");
     Ok(())

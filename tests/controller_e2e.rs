@@ -783,3 +783,68 @@ async fn plan_prints_the_changes_and_writes_nothing() {
         "plan wrote to SPIRE"
     );
 }
+
+// A replica stopped with SIGTERM (a rollout, a drain) releases the Lease before exiting, and
+// the other replica takes it within one lease duration. (kube-lease-manager's followers only
+// look again when the lease they last saw would expire, so the handover is not instant.)
+#[tokio::test(flavor = "multi_thread")]
+async fn graceful_shutdown_releases_the_lease_for_the_other_replica() {
+    let (mut stack, port) = tokio::task::block_in_place(own_stack);
+    let args = || {
+        vec![
+            "--resync-interval=10s".to_string(),
+            "--lease-duration=10s".to_string(),
+        ]
+    };
+    let mut first = tokio::task::block_in_place(|| {
+        Registrar::start_on(&stack, port, options("handover", "first", args(), vec![]))
+    });
+    stack.track(first.process.pgid());
+    let client = stack.kube.client().await;
+    eventually("first to lead", WAIT, || async {
+        (holder_opt(&client).await.as_deref() == Some("first")).then_some(())
+    })
+    .await;
+    let second = tokio::task::block_in_place(|| {
+        Registrar::start(&stack, options("handover", "second", args(), vec![]))
+    });
+    stack.track(second.process.pgid());
+
+    let stopped = std::time::Instant::now();
+    tokio::task::block_in_place(|| first.process.stop(Duration::from_secs(15)));
+    assert!(
+        first
+            .process
+            .log_tail(200)
+            .contains("released the leader Lease"),
+        "{}",
+        first.process.log_tail(50)
+    );
+    assert_ne!(
+        holder_opt(&client).await.as_deref(),
+        Some("first"),
+        "the Lease is released on exit"
+    );
+    eventually("second to take over", Duration::from_secs(20), || async {
+        (holder_opt(&client).await.as_deref() == Some("second")).then_some(())
+    })
+    .await;
+    assert!(
+        stopped.elapsed() < Duration::from_secs(15),
+        "took over after {:?}",
+        stopped.elapsed()
+    );
+    drop(second);
+    tokio::task::block_in_place(|| stack.stop());
+}
+
+async fn holder_opt(client: &Client) -> Option<String> {
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), HOME);
+    leases
+        .get(spiffe_registrar::leader::LEASE_NAME)
+        .await
+        .ok()?
+        .spec?
+        .holder_identity
+}
