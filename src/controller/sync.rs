@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 #[derive(Clone, Debug)]
 pub struct ControllerSettings {
@@ -97,20 +97,34 @@ impl<A: EntryApi> Controller<A> {
         shutdown: CancellationToken,
     ) {
         let mut wait = Duration::ZERO;
+        let mut leading = false;
+        let mut election_alive = true;
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = trigger.notified() => tokio::time::sleep(self.settings.debounce).await,
-                _ = leader.changed() => {}
+                changed = leader.changed(), if election_alive => {
+                    if changed.is_err() {
+                        // The election task is gone: never write again (another replica may
+                        // lead), and do not spin on a closed channel.
+                        error!("leader election ended; this replica stops writing");
+                        election_alive = false;
+                    }
+                }
                 _ = tokio::time::sleep(wait) => {}
             }
-            if !*leader.borrow() {
-                if self.view.stale(Duration::MAX) {
-                    // Already forgotten.
+            let now_leading = election_alive && *leader.borrow();
+            if now_leading != leading {
+                leading = now_leading;
+                if leading {
+                    info!("became leader; syncing");
                 } else {
-                    info!("lost leadership; pausing writes");
+                    info!("not the leader; pausing writes");
+                    // A later leadership starts from a fresh list, not from a stale view.
+                    self.view.invalidate();
                 }
-                self.view.invalidate();
+            }
+            if !leading {
                 wait = Duration::from_secs(3600);
                 continue;
             }
