@@ -600,7 +600,6 @@ async fn with_spire_down_deletion_waits_then_completes() {
 
     tokio::task::block_in_place(|| stack.spire_server.restart());
     stack.record_groups();
-    stack.track(registrar.process.pgid());
     gone(&api, "web").await;
     assert!(
         stack

@@ -9,6 +9,7 @@ use common::Stack;
 use common::k8s::{create_namespace, deployment, eventually, policy};
 use common::process::run;
 use common::registrar::{Options, Registrar};
+use common::stack::kubectl_ok;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::Api;
 use kube::api::PostParams;
@@ -43,20 +44,14 @@ fn crd_subcommand_prints_the_same_bytes() {
     );
 }
 
-fn kubectl(stack: &Stack, args: &[&str]) -> String {
-    let (ok, stdout, stderr) = run(stack.kube.kubectl().args(args));
-    assert!(ok, "kubectl {args:?} failed:\n{stdout}\n{stderr}");
-    stdout
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn manifests_apply_and_their_rbac_is_enough_to_register() {
     let mut stack = tokio::task::block_in_place(Stack::start);
     let _logs = stack.logs_on_panic();
     let base = format!("{MANIFESTS}/base");
     tokio::task::block_in_place(|| {
-        kubectl(&stack, &["apply", "--server-side", "-k", &base]);
-        kubectl(
+        kubectl_ok(&stack, &["apply", "--server-side", "-k", &base]);
+        kubectl_ok(
             &stack,
             &[
                 "wait",
@@ -66,8 +61,8 @@ async fn manifests_apply_and_their_rbac_is_enough_to_register() {
             ],
         );
         // The sidecar variant must at least be accepted by the apiserver.
-        kubectl(&stack, &["create", "namespace", "spire"]);
-        kubectl(
+        kubectl_ok(&stack, &["create", "namespace", "spire"]);
+        kubectl_ok(
             &stack,
             &[
                 "apply",
@@ -81,7 +76,7 @@ async fn manifests_apply_and_their_rbac_is_enough_to_register() {
 
     // Credentials of the manifests' ServiceAccount, and nothing else.
     let token = tokio::task::block_in_place(|| {
-        kubectl(
+        kubectl_ok(
             &stack,
             &[
                 "-n",
@@ -147,7 +142,7 @@ async fn manifests_apply_and_their_rbac_is_enough_to_register() {
     })
     .await;
     let events = tokio::task::block_in_place(|| {
-        kubectl(&stack, &["-n", "shop", "get", "events", "-o", "json"])
+        kubectl_ok(&stack, &["-n", "shop", "get", "events", "-o", "json"])
     });
     assert!(
         events.contains("\"Registered\""),

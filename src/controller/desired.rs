@@ -10,7 +10,7 @@
 //! Being derived, the ref-count cannot drift across restarts or missed events.
 
 use crate::names::ENTRY_ID_ANNOTATION;
-use crate::policy::{OptIn, Resolution, SpiffeRegistration, resolve};
+use crate::policy::{Identity, OptIn, Resolution, SpiffeRegistration, resolve};
 use crate::spire::{Entry, Ownership};
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::ResourceExt;
@@ -91,6 +91,31 @@ pub fn recorded_entry_id(deployment: &Deployment) -> Option<&str> {
         .map(String::as_str)
 }
 
+/// The deterministic ID of the entry `identity` needs.
+fn id_for(ownership: &Ownership, identity: &Identity) -> String {
+    ownership.entry_id(
+        &identity.spiffe_id,
+        &identity.parent_id,
+        &identity.selectors,
+    )
+}
+
+/// The SPIRE entry for a rendered identity: the one place policy output becomes an entry.
+fn entry_for(ownership: &Ownership, identity: &Identity) -> Entry {
+    Entry {
+        id: id_for(ownership, identity),
+        spiffe_id: identity.spiffe_id.clone(),
+        parent_id: identity.parent_id.clone(),
+        selectors: identity.selectors.clone(),
+        x509_svid_ttl: identity.x509_svid_ttl,
+        jwt_svid_ttl: identity.jwt_svid_ttl,
+        dns_names: identity.dns_names.clone(),
+        federates_with: identity.federates_with.clone(),
+        hint: ownership.hint().to_string(),
+        revision_number: 0,
+    }
+}
+
 /// Derives desired state from a snapshot of the caches.
 pub fn compute(
     ownership: &Ownership,
@@ -111,9 +136,7 @@ pub fn compute(
             policies.iter().map(Arc::as_ref),
         );
         if deployment.metadata.deletion_timestamp.is_some() {
-            let would_need = resolution
-                .identity()
-                .map(|i| ownership.entry_id(&i.spiffe_id, &i.parent_id, &i.selectors));
+            let would_need = resolution.identity().map(|i| id_for(ownership, i));
             desired
                 .workloads
                 .insert(key, WorkloadState::Deleting { would_need });
@@ -145,28 +168,13 @@ pub fn compute(
                         .or_default()
                         .insert(key.clone());
                 }
-                let entry_id = ownership.entry_id(
-                    &identity.spiffe_id,
-                    &identity.parent_id,
-                    &identity.selectors,
-                );
+                let entry_id = id_for(ownership, &identity);
                 let desired_entry =
                     desired
                         .entries
                         .entry(entry_id.clone())
                         .or_insert_with(|| DesiredEntry {
-                            entry: Entry {
-                                id: entry_id.clone(),
-                                spiffe_id: identity.spiffe_id.clone(),
-                                parent_id: identity.parent_id.clone(),
-                                selectors: identity.selectors.clone(),
-                                x509_svid_ttl: identity.x509_svid_ttl,
-                                jwt_svid_ttl: identity.jwt_svid_ttl,
-                                dns_names: identity.dns_names.clone(),
-                                federates_with: identity.federates_with.clone(),
-                                hint: ownership.hint().to_string(),
-                                revision_number: 0,
-                            },
+                            entry: entry_for(ownership, &identity),
                             needed_by: BTreeSet::new(),
                             policy: policy.name_any(),
                         });

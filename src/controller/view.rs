@@ -125,3 +125,136 @@ fn item_id(error: &ItemError) -> String {
         | ItemError::Invalid { id, .. } => id.clone(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spire::Selector;
+    use crate::spire::memory::MemoryEntryApi;
+
+    fn entry(o: &Ownership, sa: &str, ttl: i32) -> Entry {
+        let selectors = vec![
+            Selector::new("k8s", "ns:a"),
+            Selector::new("k8s", format!("sa:{sa}")),
+        ];
+        let spiffe_id = format!("spiffe://td/ns/a/sa/{sa}");
+        Entry {
+            id: o.entry_id(&spiffe_id, "spiffe://td/p", &selectors),
+            spiffe_id,
+            parent_id: "spiffe://td/p".into(),
+            selectors,
+            x509_svid_ttl: ttl,
+            hint: o.hint().into(),
+            ..Entry::default()
+        }
+        .normalize()
+    }
+
+    #[tokio::test]
+    async fn write_results_fold_into_the_view() {
+        let o = Ownership::new("c").expect("valid");
+        let api = MemoryEntryApi::new(o.clone());
+        let mut view = SpireView::default();
+        assert!(view.stale(Duration::from_secs(60)), "never listed");
+        view.refresh(&api).await.expect("list");
+        assert!(!view.stale(Duration::from_secs(60)));
+
+        let (a, b) = (entry(&o, "a", 60), entry(&o, "b", 60));
+        let plan = Plan {
+            create: vec![a.clone(), b.clone()],
+            ..Plan::default()
+        };
+        let report = view.apply(&api, &o, plan).await;
+        assert_eq!((report.created, report.failures.len()), (2, 0));
+        assert_eq!(view.entries.len(), 2);
+
+        // Deleted behind our back: the update fails NotFound and the view forgets it, so the
+        // next diff creates it again.
+        api.remove_raw(&b.id);
+        let plan = Plan {
+            update: vec![Entry {
+                x509_svid_ttl: 90,
+                ..b.clone()
+            }],
+            ..Plan::default()
+        };
+        let report = view.apply(&api, &o, plan).await;
+        assert!(report.has_retryable());
+        assert!(!view.entries.contains_key(&b.id));
+
+        // Deletes run before creates, so a recreate under the same ID goes through.
+        let plan = Plan {
+            delete: vec![a.id.clone()],
+            create: vec![a.clone()],
+            ..Plan::default()
+        };
+        let report = view.apply(&api, &o, plan).await;
+        assert_eq!((report.deleted, report.created), (1, 1));
+        assert!(view.entries.contains_key(&a.id));
+    }
+
+    #[tokio::test]
+    async fn an_equivalent_foreign_entry_is_reported_not_adopted() {
+        let o = Ownership::new("c").expect("valid");
+        let api = MemoryEntryApi::new(o.clone());
+        let ours = entry(&o, "x", 60);
+        api.insert_raw(Entry {
+            id: "someone-elses".into(),
+            hint: String::new(),
+            ..ours.clone()
+        });
+        let mut view = SpireView::default();
+        let report = view
+            .apply(
+                &api,
+                &o,
+                Plan {
+                    create: vec![ours.clone()],
+                    ..Plan::default()
+                },
+            )
+            .await;
+        assert!(matches!(
+            report.failures.get(&ours.id),
+            Some(ItemError::IdCollision { .. })
+        ));
+        assert!(
+            view.entries.is_empty(),
+            "never in our view, so never deleted by us"
+        );
+    }
+
+    #[tokio::test]
+    async fn with_spire_down_nothing_changes_and_the_failures_are_retryable() {
+        let o = Ownership::new("c").expect("valid");
+        let api = MemoryEntryApi::new(o.clone());
+        let mut view = SpireView::default();
+        let a = entry(&o, "a", 60);
+        view.apply(
+            &api,
+            &o,
+            Plan {
+                create: vec![a.clone()],
+                ..Plan::default()
+            },
+        )
+        .await;
+        api.set_down(true);
+        assert!(view.refresh(&api).await.is_err());
+        let report = view
+            .apply(
+                &api,
+                &o,
+                Plan {
+                    delete: vec![a.id.clone()],
+                    ..Plan::default()
+                },
+            )
+            .await;
+        assert!(report.has_retryable());
+        assert!(
+            view.entries.contains_key(&a.id),
+            "a failed delete keeps the entry in view"
+        );
+    }
+}

@@ -1,5 +1,6 @@
 //! The five things the controller needs from SPIRE, over our own types. The gRPC client
-//! implements it for real; `memory::MemoryEntryApi` implements it for unit tests.
+//! implements it for real; `memory::MemoryEntryApi` implements it for unit tests of the
+//! controller's SPIRE view.
 
 use super::types::{DeleteResult, Entry, EntryResult};
 use std::future::Future;

@@ -8,15 +8,12 @@ use super::ownership::Ownership;
 use super::types::{DeleteResult, Entry, EntryResult, ItemError};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 pub struct MemoryEntryApi {
     ownership: Ownership,
     entries: Mutex<BTreeMap<String, Entry>>,
     down: AtomicBool,
-    /// Number of write calls (create/update/delete batches) seen, for "no call" assertions.
-    pub write_calls: AtomicUsize,
-    pub list_calls: AtomicUsize,
 }
 
 impl MemoryEntryApi {
@@ -25,8 +22,6 @@ impl MemoryEntryApi {
             ownership,
             entries: Mutex::new(BTreeMap::new()),
             down: AtomicBool::new(false),
-            write_calls: AtomicUsize::new(0),
-            list_calls: AtomicUsize::new(0),
         }
     }
 
@@ -73,7 +68,6 @@ fn similar(a: &Entry, b: &Entry) -> bool {
 
 impl EntryApi for MemoryEntryApi {
     async fn list_ours(&self) -> Result<Vec<Entry>, SpireError> {
-        self.list_calls.fetch_add(1, Ordering::SeqCst);
         if self.down.load(Ordering::SeqCst) {
             return Err(SpireError::Exhausted {
                 op: "list",
@@ -91,7 +85,6 @@ impl EntryApi for MemoryEntryApi {
     }
 
     async fn create(&self, entries: Vec<Entry>) -> Vec<EntryResult> {
-        self.write_calls.fetch_add(1, Ordering::SeqCst);
         let down = self.down.load(Ordering::SeqCst);
         let mut stored = self.entries.lock().expect("lock");
         entries
@@ -123,7 +116,6 @@ impl EntryApi for MemoryEntryApi {
     }
 
     async fn update(&self, entries: Vec<Entry>) -> Vec<EntryResult> {
-        self.write_calls.fetch_add(1, Ordering::SeqCst);
         let down = self.down.load(Ordering::SeqCst);
         let mut stored = self.entries.lock().expect("lock");
         entries
@@ -150,7 +142,6 @@ impl EntryApi for MemoryEntryApi {
     }
 
     async fn delete(&self, ids: Vec<String>) -> Vec<DeleteResult> {
-        self.write_calls.fetch_add(1, Ordering::SeqCst);
         let down = self.down.load(Ordering::SeqCst);
         let mut stored = self.entries.lock().expect("lock");
         ids.into_iter()

@@ -41,20 +41,7 @@ pub fn create_result(
             id: id.to_string(),
             message,
         }),
-        (Code::InvalidArgument, _) => Err(ItemError::Invalid {
-            id: id.to_string(),
-            message,
-        }),
-        (Code::Ok, None) => Err(ItemError::Other {
-            id: id.to_string(),
-            code,
-            message: "OK without an entry".into(),
-        }),
-        (code, _) => Err(ItemError::Other {
-            id: id.to_string(),
-            code,
-            message,
-        }),
+        (code, entry) => Err(item_error(id, code, message, entry.is_some())),
     }
 }
 
@@ -67,20 +54,22 @@ pub fn update_result(
     match (code, entry) {
         (Code::Ok, Some(entry)) => Ok(entry_from_proto(entry)),
         (Code::NotFound, _) => Err(ItemError::NotFound { id: id.to_string() }),
-        (Code::InvalidArgument, _) => Err(ItemError::Invalid {
-            id: id.to_string(),
-            message,
-        }),
-        (Code::Ok, None) => Err(ItemError::Other {
-            id: id.to_string(),
+        (code, entry) => Err(item_error(id, code, message, entry.is_some())),
+    }
+}
+
+/// The failures create and update share: InvalidArgument is permanent; OK without the entry
+/// we asked for back is a protocol oddity; anything else may pass on a later attempt.
+fn item_error(id: &str, code: Code, message: String, has_entry: bool) -> ItemError {
+    let id = id.to_string();
+    match code {
+        Code::InvalidArgument => ItemError::Invalid { id, message },
+        Code::Ok if !has_entry => ItemError::Other {
+            id,
             code,
             message: "OK without an entry".into(),
-        }),
-        (code, _) => Err(ItemError::Other {
-            id: id.to_string(),
-            code,
-            message,
-        }),
+        },
+        code => ItemError::Other { id, code, message },
     }
 }
 

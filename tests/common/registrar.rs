@@ -47,37 +47,21 @@ pub struct Options<'a> {
 
 impl Registrar {
     pub fn start(stack: &Stack, options: Options) -> Self {
-        Self::start_in(stack, stack.dir(), options)
+        Self::start_full(stack, free_port(), &stack.kube.kubeconfig, options)
     }
 
     /// Starts it with its webhook on a port chosen beforehand (e.g. already in a webhook
     /// configuration).
     pub fn start_on(stack: &Stack, webhook_port: u16, options: Options) -> Self {
-        Self::start_full(
-            stack,
-            stack.dir(),
-            webhook_port,
-            &stack.kube.kubeconfig,
-            options,
-        )
-    }
-
-    pub fn start_in(stack: &Stack, log_dir: &Path, options: Options) -> Self {
-        Self::start_full(stack, log_dir, free_port(), &stack.kube.kubeconfig, options)
+        Self::start_full(stack, webhook_port, &stack.kube.kubeconfig, options)
     }
 
     /// Runs it with other credentials than the admin's (e.g. a ServiceAccount token).
     pub fn start_with_kubeconfig(stack: &Stack, kubeconfig: &Path, options: Options) -> Self {
-        Self::start_full(stack, stack.dir(), free_port(), kubeconfig, options)
+        Self::start_full(stack, free_port(), kubeconfig, options)
     }
 
-    fn start_full(
-        stack: &Stack,
-        log_dir: &Path,
-        webhook_port: u16,
-        kubeconfig: &Path,
-        options: Options,
-    ) -> Self {
+    fn start_full(stack: &Stack, webhook_port: u16, kubeconfig: &Path, options: Options) -> Self {
         let admin_port = free_port();
         let mut command = Command::new(binary());
         command
@@ -106,7 +90,7 @@ impl Registrar {
                     .iter()
                     .map(|(k, v)| (k.as_str(), v.as_str())),
             );
-        let process = ManagedProcess::spawn(options.name, command, log_dir);
+        let process = ManagedProcess::spawn(options.name, command, stack.dir());
         let mut registrar = Self {
             process,
             webhook_port,
@@ -122,9 +106,5 @@ impl Registrar {
             self.process.assert_running();
             http_get_ok(port, "/readyz")
         });
-    }
-
-    pub fn metrics(&self) -> String {
-        super::process::http_get(self.admin_port, "/metrics").unwrap_or_default()
     }
 }

@@ -11,6 +11,8 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 pub struct Stack {
+    /// Process groups started on top of the stack (registrars), for the sentinel.
+    tracked: std::sync::Mutex<Vec<i32>>,
     pub kube: KubePlane,
     pub spire_server: SpireServer,
     pub spire_agent: SpireAgent,
@@ -39,6 +41,7 @@ impl Stack {
             spire_agent,
             sentinel,
             dir,
+            tracked: std::sync::Mutex::new(Vec::new()),
         };
         stack.record_groups();
         eprintln!(
@@ -72,21 +75,25 @@ impl Stack {
 
     /// Re-records the groups (call after restarting a process).
     pub fn record_groups(&self) {
-        let list: Vec<String> = self.pgids().iter().map(i32::to_string).collect();
+        let tracked = self.tracked.lock().unwrap_or_else(|p| p.into_inner());
+        let list: Vec<String> = self
+            .pgids()
+            .iter()
+            .chain(tracked.iter())
+            .map(i32::to_string)
+            .collect();
         std::fs::write(self.dir().join("pgids"), list.join("\n"))
             .expect("the pgid list must be writable");
     }
 
-    /// Adds a process group (e.g. a registrar) to what the sentinel kills at exit.
+    /// Adds a process group (e.g. a registrar) to what the sentinel kills at exit; it stays
+    /// listed when `record_groups` rewrites the list after a restart.
     pub fn track(&self, pgid: i32) {
-        use std::io::Write;
-        let mut file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(self.dir().join("pgids"))
-            .expect("the pgid list must exist");
-        writeln!(file)
-            .and_then(|_| write!(file, "{pgid}"))
-            .expect("the pgid list must be writable");
+        self.tracked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(pgid);
+        self.record_groups();
     }
 
     /// Runs `f` on a fresh thread with its own runtime: for set-up done once per binary from a
