@@ -57,28 +57,12 @@ pub fn plan(ownership: &Ownership, desired: &Desired, observed: &BTreeMap<String
 mod tests {
     use super::*;
     use crate::controller::desired::{DeploymentKey, DesiredEntry};
+    use crate::policy::testing::mk_entry as entry;
     use crate::spire::Selector;
     use std::collections::BTreeSet;
 
     fn ownership() -> Ownership {
         Ownership::new("c").expect("valid")
-    }
-
-    fn entry(o: &Ownership, sa: &str, ttl: i32) -> Entry {
-        let selectors = vec![
-            Selector::new("k8s", "ns:a"),
-            Selector::new("k8s", format!("sa:{sa}")),
-        ];
-        let spiffe_id = format!("spiffe://td/ns/a/sa/{sa}");
-        Entry {
-            id: o.entry_id(&spiffe_id, "spiffe://td/p", &selectors),
-            spiffe_id,
-            parent_id: "spiffe://td/p".into(),
-            selectors,
-            x509_svid_ttl: ttl,
-            hint: o.hint().into(),
-            ..Entry::default()
-        }
     }
 
     fn desired(entries: &[Entry]) -> Desired {

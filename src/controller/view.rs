@@ -129,26 +129,8 @@ fn item_id(error: &ItemError) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spire::Selector;
+    use crate::policy::testing::mk_entry as entry;
     use crate::spire::memory::MemoryEntryApi;
-
-    fn entry(o: &Ownership, sa: &str, ttl: i32) -> Entry {
-        let selectors = vec![
-            Selector::new("k8s", "ns:a"),
-            Selector::new("k8s", format!("sa:{sa}")),
-        ];
-        let spiffe_id = format!("spiffe://td/ns/a/sa/{sa}");
-        Entry {
-            id: o.entry_id(&spiffe_id, "spiffe://td/p", &selectors),
-            spiffe_id,
-            parent_id: "spiffe://td/p".into(),
-            selectors,
-            x509_svid_ttl: ttl,
-            hint: o.hint().into(),
-            ..Entry::default()
-        }
-        .normalize()
-    }
 
     #[tokio::test]
     async fn write_results_fold_into_the_view() {

@@ -67,3 +67,23 @@ pub fn mk_deployment(
     }))
     .expect("deployment JSON must match the type")
 }
+
+/// An entry of ours for service account `sa` in namespace `a` under parent `spiffe://td/p`.
+pub fn mk_entry(ownership: &crate::spire::Ownership, sa: &str, ttl: i32) -> crate::spire::Entry {
+    use crate::spire::{Entry, Selector};
+    let selectors = vec![
+        Selector::new("k8s", "ns:a"),
+        Selector::new("k8s", format!("sa:{sa}")),
+    ];
+    let spiffe_id = format!("spiffe://td/ns/a/sa/{sa}");
+    Entry {
+        id: ownership.entry_id(&spiffe_id, "spiffe://td/p", &selectors),
+        spiffe_id,
+        parent_id: "spiffe://td/p".into(),
+        selectors,
+        x509_svid_ttl: ttl,
+        hint: ownership.hint().into(),
+        ..Entry::default()
+    }
+    .normalize()
+}
