@@ -2,6 +2,7 @@
 //! flag to fix.
 
 use crate::certs::{CertSource, SecretSettings};
+use crate::controller::decide::DecideSettings;
 use crate::policy::OptIn;
 use crate::spire::{ClientSettings, Ownership, SpireEndpoint};
 use clap::Args;
@@ -12,9 +13,44 @@ use std::time::Duration;
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
     /// Name of this cluster; part of every entry ID and of the entry hint, so several clusters
-    /// can share one SPIRE server. Lowercase letters, digits and '-'.
-    #[arg(long, env = "REGISTRAR_CLUSTER_NAME", default_value = "default")]
-    pub cluster_name: String,
+    /// can share one SPIRE server. Lowercase letters, digits and '-'. Default: derived from the
+    /// kube-system namespace's UID (`k-<12 hex digits>`), unique per cluster.
+    #[arg(long, env = "REGISTRAR_CLUSTER_NAME")]
+    pub cluster_name: Option<String>,
+
+    /// Earlier cluster names (repeatable): their entries are migrated to this name in place
+    /// (no gap) while needed and deleted when not. Only list names no other cluster still uses.
+    #[arg(
+        long = "previous-cluster-name",
+        env = "REGISTRAR_PREVIOUS_CLUSTER_NAMES",
+        value_delimiter = ','
+    )]
+    pub previous_cluster_names: Vec<String>,
+
+    /// How long a replaced entry outlives its replacement's appearance in SPIRE: agents pick
+    /// up entries within two 5 s sync periods (server cache, agent sync), and workloads get
+    /// the new SVID pushed on the agent's next sync.
+    #[arg(long, env = "REGISTRAR_TRANSITION_GRACE", default_value = "60s", value_parser = parse_duration)]
+    pub transition_grace: Duration,
+
+    /// How long an entry outlives its service account falling out of scope (namespace label
+    /// removed, policy deleted or changed) while its Deployments still exist.
+    #[arg(long, env = "REGISTRAR_SCOPE_LOSS_GRACE", default_value = "10m", value_parser = parse_duration)]
+    pub scope_loss_grace: Duration,
+
+    /// The deletion brake holds one sync's scope-loss deletions when they are more than this
+    /// many AND more than --deletion-brake-fraction of our entries, until an operator confirms.
+    #[arg(long, env = "REGISTRAR_DELETION_BRAKE_COUNT", default_value_t = 10)]
+    pub deletion_brake_count: usize,
+
+    /// See --deletion-brake-count (0 to 1).
+    #[arg(long, env = "REGISTRAR_DELETION_BRAKE_FRACTION", default_value_t = 0.1)]
+    pub deletion_brake_fraction: f64,
+
+    /// Take over, in place, entries equivalent to ours (same SPIFFE ID, parent ID, selectors)
+    /// written by another tool (spire-controller-manager, k8s-workload-registrar): to migrate.
+    #[arg(long, env = "REGISTRAR_ADOPT_EQUIVALENT_ENTRIES", default_value_t = false, action = clap::ArgAction::Set)]
+    pub adopt_equivalent_entries: bool,
 
     /// Namespace label (key=value) that opts a namespace in.
     #[arg(
@@ -164,12 +200,17 @@ pub enum ConfigError {
     BatchSize(usize),
     #[error("--resync-interval must be at least 10s")]
     Resync,
+    #[error("--deletion-brake-fraction must be between 0 and 1, got {0}")]
+    BrakeFraction(f64),
 }
 
 /// Everything `run` needs, validated.
 #[derive(Clone, Debug)]
 pub struct Settings {
-    pub ownership: Ownership,
+    /// `None`: derive it from the cluster (`ownership::derived_cluster_name`).
+    pub cluster_name: Option<String>,
+    pub previous_cluster_names: Vec<String>,
+    pub decide: DecideSettings,
     pub opt_in: OptIn,
     pub webhook_addr: SocketAddr,
     pub admin_addr: SocketAddr,
@@ -183,9 +224,23 @@ pub struct Settings {
     pub controller: bool,
 }
 
+impl Settings {
+    /// Our entries' names under `cluster` (explicit or derived), with the previous names.
+    pub fn ownership(&self, cluster: &str) -> Result<Ownership, ConfigError> {
+        Ok(Ownership::new(cluster)?.with_previous(&self.previous_cluster_names)?)
+    }
+}
+
 impl RunArgs {
     pub fn validate(self) -> Result<Settings, ConfigError> {
-        let ownership = Ownership::new(&self.cluster_name)?;
+        // Validated now (a typo fails at start-up), built once the name is known.
+        if let Some(name) = &self.cluster_name {
+            Ownership::new(name)?;
+        }
+        Ownership::new("x")?.with_previous(&self.previous_cluster_names)?;
+        if !(0.0..=1.0).contains(&self.deletion_brake_fraction) {
+            return Err(ConfigError::BrakeFraction(self.deletion_brake_fraction));
+        }
         let opt_in = OptIn::parse(&self.namespace_label)
             .ok_or_else(|| ConfigError::NamespaceLabel(self.namespace_label.clone()))?;
         let certs = match (self.tls_cert_file, self.tls_key_file) {
@@ -226,7 +281,15 @@ impl RunArgs {
             ..ClientSettings::default()
         };
         Ok(Settings {
-            ownership,
+            cluster_name: self.cluster_name,
+            previous_cluster_names: self.previous_cluster_names,
+            decide: DecideSettings {
+                transition_grace: self.transition_grace,
+                scope_loss_grace: self.scope_loss_grace,
+                brake_count: self.deletion_brake_count,
+                brake_fraction: self.deletion_brake_fraction,
+                adopt: self.adopt_equivalent_entries,
+            },
             opt_in,
             webhook_addr: self.webhook_addr,
             admin_addr: self.admin_addr,

@@ -4,8 +4,9 @@
 //! cue to re-derive desired state. The webhook reads the same caches; nothing here does I/O on
 //! a request path.
 
-use crate::policy::{OptIn, SpiffeRegistration};
-use crate::webhook::PolicyView;
+use crate::controller::desired::NamespaceInfo;
+use crate::policy::{OptIn, SpiffeRegistration, service_account_of};
+use crate::spire::Ownership;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, PodSpec};
@@ -18,12 +19,42 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+/// What the webhook reads: the caches, never the network.
+pub trait PolicyView: Send + Sync {
+    fn opt_in(&self) -> &OptIn;
+    /// Names entries, so the webhook knows the only `entry-id` value the controller writes.
+    fn ownership(&self) -> &Ownership;
+    /// Labels of a namespace, `None` when it is not (yet) known or not opted in.
+    fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>>;
+    fn policies(&self) -> Vec<Arc<SpiffeRegistration>>;
+    /// Labels of the other live Deployments running as `namespace/service_account`: the
+    /// policy is resolved per service account, so they count too.
+    fn sibling_labels(
+        &self,
+        namespace: &str,
+        service_account: &str,
+        except: &str,
+    ) -> Vec<BTreeMap<String, String>>;
+}
+
 #[derive(Clone)]
 pub struct Index {
     pub opt_in: OptIn,
+    pub ownership: Ownership,
     pub namespaces: Store<Namespace>,
     pub policies: Store<SpiffeRegistration>,
     pub deployments: Store<Deployment>,
+}
+
+impl Index {
+    /// An opted-in namespace's labels and whether it is being deleted.
+    pub fn namespace_info(&self, namespace: &str) -> Option<NamespaceInfo> {
+        let ns = self.namespaces.get(&reflector::ObjectRef::new(namespace))?;
+        Some(NamespaceInfo {
+            labels: ns.metadata.labels.clone().unwrap_or_default(),
+            terminating: ns.metadata.deletion_timestamp.is_some(),
+        })
+    }
 }
 
 impl PolicyView for Index {
@@ -31,15 +62,36 @@ impl PolicyView for Index {
         &self.opt_in
     }
 
+    fn ownership(&self) -> &Ownership {
+        &self.ownership
+    }
+
     fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>> {
-        let key = reflector::ObjectRef::new(namespace);
-        self.namespaces
-            .get(&key)
-            .map(|ns| ns.metadata.labels.clone().unwrap_or_default())
+        self.namespace_info(namespace).map(|ns| ns.labels)
     }
 
     fn policies(&self) -> Vec<Arc<SpiffeRegistration>> {
         self.policies.state()
+    }
+
+    fn sibling_labels(
+        &self,
+        namespace: &str,
+        service_account: &str,
+        except: &str,
+    ) -> Vec<BTreeMap<String, String>> {
+        // A scan of the Deployment cache; a per-namespace index is issue 11's compact store.
+        self.deployments
+            .state()
+            .iter()
+            .filter(|d| {
+                d.metadata.namespace.as_deref() == Some(namespace)
+                    && d.metadata.name.as_deref() != Some(except)
+                    && d.metadata.deletion_timestamp.is_none()
+                    && service_account_of(d) == service_account
+            })
+            .map(|d| d.metadata.labels.clone().unwrap_or_default())
+            .collect()
     }
 }
 
@@ -69,6 +121,7 @@ fn trim_metadata<K: Resource>(object: &mut K) {
 pub fn start(
     client: Client,
     opt_in: OptIn,
+    ownership: Ownership,
     trigger: Arc<Notify>,
     synced: Arc<AtomicBool>,
 ) -> (Index, Vec<JoinHandle<()>>) {
@@ -106,6 +159,7 @@ pub fn start(
 
     let index = Index {
         opt_in,
+        ownership,
         namespaces,
         policies,
         deployments,

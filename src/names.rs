@@ -8,3 +8,7 @@ pub const SPIFFE_ID_ANNOTATION: &str = "registrar.spiffe.io/spiffe-id";
 pub const ENTRY_ID_ANNOTATION: &str = "registrar.spiffe.io/entry-id";
 /// Field manager for our writes.
 pub const FIELD_MANAGER: &str = "spiffe-registrar";
+/// The CRD; also where an operator confirms what the deletion brake holds.
+pub const CRD_NAME: &str = "spifferegistrations.registrar.spiffe.io";
+/// Annotation on the CRD confirming one set of held deletions (its token).
+pub const CONFIRM_DELETIONS_ANNOTATION: &str = "registrar.spiffe.io/confirm-deletions";

@@ -2,15 +2,22 @@
 //! the controller into one process, and shuts them down together on SIGTERM.
 
 use crate::config::Settings;
+use crate::controller::decide::Why;
+use crate::controller::desired::SaKey;
 use crate::controller::metrics::ControllerMetrics;
 use crate::controller::{Controller, ControllerSettings};
+use crate::spire::Ownership;
 use crate::spire::metrics::SpireMetrics;
+use crate::spire::ownership::derived_cluster_name;
 use crate::spire::{GrpcEntryClient, connect};
 use crate::telemetry::{Readiness, admin_router};
 use crate::webhook::metrics::WebhookMetrics;
 use crate::webhook::tls::{serve, server_config};
 use crate::webhook::{WebhookState, router};
 use crate::{certs, index, leader};
+use k8s_openapi::api::authentication::v1::SelfSubjectReview;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::PostParams;
 use prometheus::Registry;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -33,10 +40,54 @@ pub enum RunError {
     Metrics(#[from] prometheus::Error),
     #[error(transparent)]
     Leader(#[from] leader::LeaderError),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error("the kube-system namespace has no UID to derive --cluster-name from; set it")]
+    NoClusterUid,
+}
+
+/// The cluster name: the flag's, or derived from the kube-system namespace's UID.
+async fn ownership(settings: &Settings, client: &kube::Client) -> Result<Ownership, RunError> {
+    let name = match &settings.cluster_name {
+        Some(name) => name.clone(),
+        None => {
+            let namespaces: kube::Api<Namespace> = kube::Api::all(client.clone());
+            let uid = namespaces
+                .get("kube-system")
+                .await?
+                .metadata
+                .uid
+                .ok_or(RunError::NoClusterUid)?;
+            derived_cluster_name(&uid)
+        }
+    };
+    Ok(settings.ownership(&name)?)
+}
+
+/// Our own username, so the webhook lets the controller's `entry-id` writes through. Best
+/// effort: without it, the webhook still accepts the one ID policy computes.
+async fn registrar_user(client: &kube::Client) -> Option<Arc<str>> {
+    let api: kube::Api<SelfSubjectReview> = kube::Api::all(client.clone());
+    match api
+        .create(&PostParams::default(), &SelfSubjectReview::default())
+        .await
+    {
+        Ok(review) => review
+            .status
+            .and_then(|s| s.user_info)
+            .and_then(|u| u.username)
+            .map(Arc::from),
+        Err(error) => {
+            tracing::warn!(%error, "cannot learn our own username (SelfSubjectReview)");
+            None
+        }
+    }
 }
 
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), RunError> {
     let client = kube::Client::try_default().await?;
+    let ownership = ownership(&settings, &client).await?;
+    let registrar_user = registrar_user(&client).await;
     let registry = Registry::new();
     let readiness = Arc::new(Readiness::default());
 
@@ -45,6 +96,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     let (index, _watch_tasks) = index::start(
         client.clone(),
         settings.opt_in.clone(),
+        ownership.clone(),
         trigger.clone(),
         synced.clone(),
     );
@@ -61,6 +113,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
             lease_task,
             tokio::spawn(run_controller(
                 settings.clone(),
+                ownership.clone(),
                 client.clone(),
                 index.clone(),
                 ControllerMetrics::register(&registry)?,
@@ -85,6 +138,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     let webhook = router(WebhookState {
         view: Arc::new(index.clone()),
         metrics: WebhookMetrics::register(&registry)?,
+        registrar_user,
     });
     let webhook_listener = tokio::net::TcpListener::bind(settings.webhook_addr)
         .await
@@ -98,7 +152,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
             addr: settings.admin_addr,
             source,
         })?;
-    tracing::info!(webhook = %settings.webhook_addr, admin = %settings.admin_addr, cluster = settings.ownership.cluster(), "serving");
+    tracing::info!(webhook = %settings.webhook_addr, admin = %settings.admin_addr, cluster = ownership.cluster(), "serving");
 
     let admin = admin_router(registry.clone(), readiness.clone());
     let admin_shutdown = shutdown.clone();
@@ -129,6 +183,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
 #[allow(clippy::too_many_arguments)]
 async fn run_controller(
     settings: Settings,
+    ownership: Ownership,
     client: kube::Client,
     index: index::Index,
     metrics: ControllerMetrics,
@@ -154,21 +209,26 @@ async fn run_controller(
     };
     let api = Arc::new(GrpcEntryClient::new(
         connection.channel.clone(),
-        settings.ownership.clone(),
+        ownership.clone(),
         settings.client.clone(),
         spire_metrics,
     ));
-    let controller_settings = ControllerSettings {
-        ownership: settings.ownership.clone(),
-        opt_in: settings.opt_in.clone(),
-        resync_interval: settings.resync_interval,
-        debounce: Duration::from_millis(200),
-        replica_id: settings.replica_id.clone(),
-    };
+    let controller_settings = controller_settings(&settings, ownership);
     Controller::new(api, client, index, controller_settings, metrics)
         .run(trigger, leader, synced, shutdown)
         .await;
     connection.shutdown().await;
+}
+
+fn controller_settings(settings: &Settings, ownership: Ownership) -> ControllerSettings {
+    ControllerSettings {
+        ownership,
+        opt_in: settings.opt_in.clone(),
+        resync_interval: settings.resync_interval,
+        debounce: Duration::from_millis(200),
+        replica_id: settings.replica_id.clone(),
+        decide: settings.decide.clone(),
+    }
 }
 
 /// Cancels `shutdown` on SIGTERM (kubelet) or SIGINT (a terminal).
@@ -192,10 +252,12 @@ pub async fn stop_on_signal(shutdown: CancellationToken) {
 pub async fn plan(settings: Settings) -> Result<String, PlanError> {
     use std::fmt::Write;
     let client = kube::Client::try_default().await.map_err(RunError::from)?;
+    let ownership = ownership(&settings, &client).await?;
     let synced = Arc::new(AtomicBool::new(false));
     let (index, tasks) = index::start(
         client,
         settings.opt_in.clone(),
+        ownership.clone(),
         Arc::new(Notify::new()),
         synced.clone(),
     );
@@ -209,36 +271,32 @@ pub async fn plan(settings: Settings) -> Result<String, PlanError> {
     let connection = connect(&settings.spire, Duration::from_secs(30)).await?;
     let api = GrpcEntryClient::new(
         connection.channel.clone(),
-        settings.ownership.clone(),
+        ownership.clone(),
         settings.client.clone(),
         SpireMetrics::unregistered(),
     );
     let mut view = crate::controller::view::SpireView::default();
     view.refresh(&api).await?;
-    let (desired, plan) = crate::controller::sync::plan_against(
-        &settings.ownership,
-        &settings.opt_in,
-        &index,
-        &view.entries,
-    );
+    let controller_settings = controller_settings(&settings, ownership.clone());
+    let (desired, plan) =
+        crate::controller::sync::plan_against(&controller_settings, &index, &view.entries);
     for task in tasks {
         task.abort();
     }
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "cluster {}: {} Deployments seen, {} entries desired, {} ours in SPIRE",
-        settings.ownership.cluster(),
+        "cluster {}: {} Deployments seen, {} service accounts with entries desired, {} ours in SPIRE",
+        ownership.cluster(),
         desired.workloads.len(),
-        desired.entries.len(),
+        plan.serving.len(),
         view.entries.len()
     );
     for entry in &plan.create {
-        let needed_by = desired
-            .entries
-            .get(&entry.id)
-            .map(|d| {
-                d.needed_by
+        let needed_by = SaKey::of_entry(entry)
+            .and_then(|sa| desired.service_accounts.get(&sa))
+            .map(|a| {
+                a.deployments
                     .iter()
                     .map(ToString::to_string)
                     .collect::<Vec<_>>()
@@ -254,19 +312,46 @@ pub async fn plan(settings: Settings) -> Result<String, PlanError> {
     for entry in &plan.update {
         let _ = writeln!(
             out,
-            "update {} {} (x509 ttl {}s, jwt ttl {}s)",
-            entry.id, entry.spiffe_id, entry.x509_svid_ttl, entry.jwt_svid_ttl
+            "update {} {} (x509 ttl {}s, jwt ttl {}s, hint {})",
+            entry.id, entry.spiffe_id, entry.x509_svid_ttl, entry.jwt_svid_ttl, entry.hint
         );
     }
-    for id in &plan.delete {
-        let spiffe_id = view
-            .entries
-            .get(id)
-            .map(|e| e.spiffe_id.as_str())
-            .unwrap_or("?");
-        let _ = writeln!(out, "delete {id} {spiffe_id}");
+    for entry in &plan.delete {
+        let _ = writeln!(out, "delete {} {}", entry.id, entry.spiffe_id);
     }
-    if plan.is_empty() {
+    let now = std::time::Instant::now();
+    for pending in &plan.pending {
+        let when = match &pending.why {
+            Why::Transition { by, due: Some(due) } => format!(
+                "replaced by {by}; deleted in {}s",
+                due.saturating_duration_since(now).as_secs()
+            ),
+            Why::Transition { by, due: None } => {
+                format!("replaced by {by}, which is not in SPIRE yet; kept")
+            }
+            Why::ScopeLoss { due } => format!(
+                "out of scope; deleted in {}s (scope-loss grace) unless back in scope",
+                due.saturating_duration_since(now).as_secs()
+            ),
+            Why::Brake => "waits for confirmation (deletion brake)".to_string(),
+            Why::Held(reason) => format!("held: {reason}"),
+        };
+        let _ = writeln!(
+            out,
+            "pending-delete {} {} ({when})",
+            pending.entry.id, pending.entry.spiffe_id
+        );
+    }
+    if let Some(brake) = &plan.brake {
+        let _ = writeln!(
+            out,
+            "deletion brake: {} of {} entries would go at once; confirm with: {}",
+            brake.count,
+            brake.total,
+            crate::controller::status::confirm_command(&brake.token)
+        );
+    }
+    if plan.writes() == 0 && plan.pending.is_empty() {
         let _ = writeln!(out, "in sync: nothing to do");
     }
     connection.shutdown().await;

@@ -191,11 +191,10 @@ async fn full_sequence(stack: &Stack, endpoint: SpireEndpoint, cluster: &str) {
     assert_eq!(untouched.x509_svid_ttl, 3600);
 
     // Delete everything; deleting again is still a success (already gone).
-    let ids: Vec<String> = wanted.iter().map(|e| e.id.clone()).collect();
-    assert!(client.delete(ids.clone()).await.iter().all(Result::is_ok));
+    assert!(client.delete(wanted.clone()).await.iter().all(Result::is_ok));
     assert!(
         client
-            .delete(ids[..10].to_vec())
+            .delete(wanted[..10].to_vec())
             .await
             .iter()
             .all(Result::is_ok)
@@ -301,7 +300,19 @@ async fn other_writers_entries_are_never_ours() {
         .collect();
     assert_eq!(listed, vec![mine.id.clone()]);
     let results = client
-        .delete(vec![foreign_id.clone(), hinted_id.clone(), mine.id.clone()])
+        .delete(vec![
+            // As SPIRE would list them: no hint, and our hint on a foreign ID.
+            Entry {
+                id: foreign_id.clone(),
+                hint: String::new(),
+                ..mine.clone()
+            },
+            Entry {
+                id: hinted_id.clone(),
+                ..mine.clone()
+            },
+            mine.clone(),
+        ])
         .await;
     assert_eq!(
         results[0],
@@ -350,7 +361,7 @@ async fn invalid_entries_fail_permanently_with_spires_message() {
         Ok(good.id.clone()),
         "batches are not atomic"
     );
-    client.delete(vec![good.id]).await;
+    client.delete(vec![good]).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -398,8 +409,8 @@ async fn survives_a_spire_server_crash_mid_sequence() {
     stack.spire_server.kill();
     let deleter = {
         let client = client.clone();
-        let ids: Vec<String> = first.iter().chain(&second).map(|e| e.id.clone()).collect();
-        tokio::spawn(async move { client.delete(ids).await })
+        let doomed: Vec<Entry> = first.iter().chain(&second).cloned().collect();
+        tokio::spawn(async move { client.delete(doomed).await })
     };
     tokio::time::sleep(Duration::from_secs(2)).await;
     tokio::task::block_in_place(|| stack.spire_server.restart());

@@ -8,7 +8,9 @@ use serde_json::{Value, json};
 use spiffe_registrar::names::{FINALIZER, SPIFFE_ID_ANNOTATION};
 use spiffe_registrar::policy::{OptIn, SpiffeRegistration};
 use spiffe_registrar::webhook::metrics::WebhookMetrics;
-use spiffe_registrar::webhook::{PolicyView, WebhookState, router};
+use spiffe_registrar::index::PolicyView;
+use spiffe_registrar::spire::Ownership;
+use spiffe_registrar::webhook::{WebhookState, router};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tower::ServiceExt;
@@ -17,6 +19,7 @@ const FIXTURE: &str = include_str!("fixtures/create-deployment.json");
 
 struct FixedView {
     opt_in: OptIn,
+    ownership: Ownership,
     namespaces: BTreeMap<String, BTreeMap<String, String>>,
     policies: Vec<Arc<SpiffeRegistration>>,
 }
@@ -24,6 +27,12 @@ struct FixedView {
 impl PolicyView for FixedView {
     fn opt_in(&self) -> &OptIn {
         &self.opt_in
+    }
+    fn ownership(&self) -> &Ownership {
+        &self.ownership
+    }
+    fn sibling_labels(&self, _: &str, _: &str, _: &str) -> Vec<BTreeMap<String, String>> {
+        Vec::new()
     }
     fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>> {
         self.namespaces.get(namespace).cloned()
@@ -46,6 +55,7 @@ fn policy() -> SpiffeRegistration {
 fn view() -> Arc<dyn PolicyView> {
     Arc::new(FixedView {
         opt_in: OptIn::default(),
+        ownership: Ownership::new("router").expect("valid"),
         namespaces: BTreeMap::from([
             (
                 "payments".to_string(),
@@ -62,6 +72,7 @@ async fn post(body: impl Into<Body>) -> (StatusCode, Vec<u8>) {
     let app = router(WebhookState {
         view: view(),
         metrics: WebhookMetrics::register(&registry).expect("metrics"),
+        registrar_user: Some("system:serviceaccount:registrar:spiffe-registrar".into()),
     });
     let response = app
         .oneshot(

@@ -1,17 +1,22 @@
-//! Desired state, derived from the caches on every sync and never stored: which SPIRE entries
-//! must exist, and for each the set of live in-scope Deployments that need it (its ref-count).
+//! Desired state, derived from the caches on every sync and never stored: for each
+//! (namespace, service account) running live Deployments, the one entry it needs (or why it
+//! needs none), and how each Deployment looks to the decisions.
 //!
 //! ```text
-//! Deployment ──resolve──▶ Needs(entry id) ─┐
-//!            ├─────────▶ Invalid(policy)  │    entries: id → { entry, needed_by: {Deployments} }
-//!            ├─────────▶ OutOfScope        ├──▶ workloads: Deployment → state
-//!            └─────────▶ Deleting          │
+//! Deployments ─group by (ns, SA)─▶ resolve (policy per SA) ─▶ Needs(entry) | Invalid | OutOfScope
+//!             └──────────────────▶ workloads: Deployment → its SA, deleting?, what we wrote
 //! ```
-//! Being derived, the ref-count cannot drift across restarts or missed events.
+//! One service account, one identity: SPIRE's selectors (`k8s:ns`, `k8s:sa`) cannot tell two
+//! Deployments of one service account apart, so the policy is chosen per service account and
+//! its entry is shared (the ref-count is the set of live Deployments running as it).
 
-use crate::names::ENTRY_ID_ANNOTATION;
-use crate::policy::{Identity, OptIn, Resolution, SpiffeRegistration, resolve};
-use crate::spire::{Entry, Ownership};
+use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
+use crate::policy::render::validate;
+use crate::policy::select::validate_selectors;
+use crate::policy::{
+    Identity, OptIn, Resolution, SpiffeRegistration, labels_of, resolve, service_account_of,
+};
+use crate::spire::{Entry, Ownership, Selector};
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::ResourceExt;
 use std::collections::{BTreeMap, BTreeSet};
@@ -30,48 +35,106 @@ impl std::fmt::Display for DeploymentKey {
     }
 }
 
-/// What one Deployment needs.
+/// `namespace/service account`: what one identity is for.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SaKey {
+    pub namespace: String,
+    pub service_account: String,
+}
+
+impl std::fmt::Display for SaKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.service_account)
+    }
+}
+
+impl SaKey {
+    /// The service account an entry of ours is for, read from its selectors (what SPIRE says,
+    /// not what anyone wrote on a Deployment). `None` for any other selector shape.
+    pub fn of_entry(entry: &Entry) -> Option<SaKey> {
+        let [a, b] = entry.selectors.as_slice() else {
+            return None;
+        };
+        let namespace = a.value.strip_prefix("ns:").filter(|_| a.kind == "k8s")?;
+        let service_account = b.value.strip_prefix("sa:").filter(|_| b.kind == "k8s")?;
+        Some(SaKey {
+            namespace: namespace.to_string(),
+            service_account: service_account.to_string(),
+        })
+    }
+
+    pub fn selectors(&self) -> Vec<Selector> {
+        vec![
+            Selector::new("k8s", format!("ns:{}", self.namespace)),
+            Selector::new("k8s", format!("sa:{}", self.service_account)),
+        ]
+    }
+}
+
+/// What one service account needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum WorkloadState {
-    /// In scope: needs entry `entry_id`, with this SPIFFE ID, under `policy`.
-    Needs {
-        entry_id: String,
-        spiffe_id: String,
-        policy: String,
-    },
-    /// Its winning policy cannot render an identity. Its current entry (if any) is held, not
+pub enum SaState {
+    /// Governed by `policy`: needs `entry` (deterministic ID).
+    Needs { policy: String, entry: Entry },
+    /// Its winning policy cannot render an identity for it. Its entries are held, never
     /// deleted: a typo in a policy must not take identities away.
     Invalid {
         policy: String,
         reason: &'static str,
         message: String,
     },
-    /// Not selected (namespace not opted in, no policy).
+    /// No policy governs it (namespace not opted in, or no selector matches).
     OutOfScope,
-    /// Has a deletionTimestamp: needs nothing any more. `would_need` is the entry it would
-    /// have under current policy, so its finalizer also waits for an entry that was created but
-    /// never recorded (a crash between the two).
-    Deleting { would_need: Option<String> },
 }
 
 #[derive(Clone, Debug)]
-pub struct DesiredEntry {
-    pub entry: Entry,
-    /// The ref-count: live, in-scope Deployments needing this entry. Never empty.
-    pub needed_by: BTreeSet<DeploymentKey>,
-    /// Policy that rendered it (the winner of the first Deployment needing it).
-    pub policy: String,
+pub struct ServiceAccount {
+    pub state: SaState,
+    /// Live Deployments running as it (never empty): the ref-count of its entry.
+    pub deployments: BTreeSet<DeploymentKey>,
+}
+
+/// One Deployment as the decisions see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Workload {
+    pub service_account: SaKey,
+    /// Has a deletionTimestamp, or its namespace has.
+    pub deleting: bool,
+    pub has_finalizer: bool,
+    /// Our annotations as currently written (to know what to patch, never as truth).
+    pub spiffe_id: Option<String>,
+    pub entry_id: Option<String>,
+    pub created: Option<k8s_openapi::jiff::Timestamp>,
+}
+
+/// What a namespace contributes: its labels and whether it is being deleted.
+#[derive(Clone, Debug, Default)]
+pub struct NamespaceInfo {
+    pub labels: BTreeMap<String, String>,
+    pub terminating: bool,
 }
 
 #[derive(Clone, Debug, Default)]
 pub struct Desired {
-    pub entries: BTreeMap<String, DesiredEntry>,
-    pub workloads: BTreeMap<DeploymentKey, WorkloadState>,
-    /// Entry IDs that must not be deleted although nothing needs them (held by Invalid
-    /// workloads through their recorded entry-id annotation).
-    pub held: BTreeSet<String>,
-    /// Policy name → Deployments it selects but an older policy wins.
+    pub service_accounts: BTreeMap<SaKey, ServiceAccount>,
+    pub workloads: BTreeMap<DeploymentKey, Workload>,
+    /// Policy name → Deployments it matches but another policy governs.
     pub conflicts: BTreeMap<String, BTreeSet<DeploymentKey>>,
+    /// Policies that cannot be used at all: name → (reason, message).
+    pub invalid_policies: BTreeMap<String, (&'static str, String)>,
+    /// Policies whose selectors cannot be evaluated. Such a policy might govern any service
+    /// account, so while one exists nothing is deleted for scope loss or transition.
+    pub doubt: BTreeSet<String>,
+}
+
+impl Desired {
+    /// The entry `sa` needs, if it needs one.
+    pub fn needs(&self, sa: &SaKey) -> Option<&Entry> {
+        match &self.service_accounts.get(sa)?.state {
+            SaState::Needs { entry, .. } => Some(entry),
+            _ => None,
+        }
+    }
 }
 
 pub fn key_of(deployment: &Deployment) -> DeploymentKey {
@@ -81,29 +144,14 @@ pub fn key_of(deployment: &Deployment) -> DeploymentKey {
     }
 }
 
-/// The entry ID a Deployment was last registered with (`registrar.spiffe.io/entry-id`).
-pub fn recorded_entry_id(deployment: &Deployment) -> Option<&str> {
-    deployment
-        .metadata
-        .annotations
-        .as_ref()?
-        .get(ENTRY_ID_ANNOTATION)
-        .map(String::as_str)
-}
-
-/// The deterministic ID of the entry `identity` needs.
-fn id_for(ownership: &Ownership, identity: &Identity) -> String {
-    ownership.entry_id(
-        &identity.spiffe_id,
-        &identity.parent_id,
-        &identity.selectors,
-    )
-}
-
 /// The SPIRE entry for a rendered identity: the one place policy output becomes an entry.
-fn entry_for(ownership: &Ownership, identity: &Identity) -> Entry {
+pub fn entry_for(ownership: &Ownership, identity: &Identity) -> Entry {
     Entry {
-        id: id_for(ownership, identity),
+        id: ownership.entry_id(
+            &identity.spiffe_id,
+            &identity.parent_id,
+            &identity.selectors,
+        ),
         spiffe_id: identity.spiffe_id.clone(),
         parent_id: identity.parent_id.clone(),
         selectors: identity.selectors.clone(),
@@ -116,46 +164,96 @@ fn entry_for(ownership: &Ownership, identity: &Identity) -> Entry {
     }
 }
 
+/// Why a policy is not usable at all, if it is not: (reason, message).
+pub fn policy_problem(policy: &SpiffeRegistration) -> Option<(&'static str, String)> {
+    if let Err(error) = validate_selectors(policy) {
+        return Some(("InvalidSelector", error.to_string()));
+    }
+    validate(&policy.spec)
+        .err()
+        .map(|error| (error.reason(), error.to_string()))
+}
+
+fn annotation(deployment: &Deployment, key: &str) -> Option<String> {
+    deployment.metadata.annotations.as_ref()?.get(key).cloned()
+}
+
 /// Derives desired state from a snapshot of the caches.
 pub fn compute(
     ownership: &Ownership,
     opt_in: &OptIn,
     deployments: &[Arc<Deployment>],
-    namespace_labels: &dyn Fn(&str) -> Option<BTreeMap<String, String>>,
+    namespaces: &dyn Fn(&str) -> Option<NamespaceInfo>,
     policies: &[Arc<SpiffeRegistration>],
 ) -> Desired {
     let mut desired = Desired::default();
+    for policy in policies {
+        if let Some((reason, message)) = policy_problem(policy) {
+            if reason == "InvalidSelector" && policy.metadata.deletion_timestamp.is_none() {
+                desired.doubt.insert(policy.name_any());
+            }
+            desired
+                .invalid_policies
+                .insert(policy.name_any(), (reason, message));
+        }
+    }
+    let mut live: BTreeMap<SaKey, Vec<(DeploymentKey, &Deployment)>> = BTreeMap::new();
+    let mut namespace_cache: BTreeMap<String, Option<NamespaceInfo>> = BTreeMap::new();
     for deployment in deployments {
         let key = key_of(deployment);
-        let labels = namespace_labels(&key.namespace);
+        let namespace = namespace_cache
+            .entry(key.namespace.clone())
+            .or_insert_with(|| namespaces(&key.namespace));
+        let sa = SaKey {
+            namespace: key.namespace.clone(),
+            service_account: service_account_of(deployment).to_string(),
+        };
+        let deleting = deployment.metadata.deletion_timestamp.is_some()
+            || namespace.as_ref().is_some_and(|ns| ns.terminating);
+        if !deleting {
+            live.entry(sa.clone())
+                .or_default()
+                .push((key.clone(), deployment.as_ref()));
+        }
+        desired.workloads.insert(
+            key,
+            Workload {
+                service_account: sa,
+                deleting,
+                has_finalizer: deployment
+                    .metadata
+                    .finalizers
+                    .iter()
+                    .flatten()
+                    .any(|f| f == FINALIZER),
+                spiffe_id: annotation(deployment, SPIFFE_ID_ANNOTATION),
+                entry_id: annotation(deployment, ENTRY_ID_ANNOTATION),
+                created: deployment.metadata.creation_timestamp.as_ref().map(|t| t.0),
+            },
+        );
+    }
+    for (sa, members) in live {
+        let labels = namespace_cache
+            .get(&sa.namespace)
+            .cloned()
+            .flatten()
+            .map(|ns| ns.labels);
         let resolution = resolve(
             opt_in,
-            &key.namespace,
+            &sa.namespace,
             labels.as_ref(),
-            deployment,
+            &sa.service_account,
+            members.iter().map(|(_, d)| labels_of(d)),
             policies.iter().map(Arc::as_ref),
         );
-        if deployment.metadata.deletion_timestamp.is_some() {
-            let would_need = resolution.identity().map(|i| id_for(ownership, i));
-            desired
-                .workloads
-                .insert(key, WorkloadState::Deleting { would_need });
-            continue;
-        }
+        let keys: BTreeSet<DeploymentKey> = members.into_iter().map(|(k, _)| k).collect();
         let state = match resolution {
-            Resolution::OutOfScope => WorkloadState::OutOfScope,
-            Resolution::Invalid { policy, error } => {
-                if let Some(id) =
-                    recorded_entry_id(deployment).filter(|id| ownership.id_is_ours(id))
-                {
-                    desired.held.insert(id.to_string());
-                }
-                WorkloadState::Invalid {
-                    policy: policy.name_any(),
-                    reason: error.reason(),
-                    message: error.to_string(),
-                }
-            }
+            Resolution::OutOfScope => SaState::OutOfScope,
+            Resolution::Invalid { policy, error } => SaState::Invalid {
+                policy: policy.name_any(),
+                reason: error.reason(),
+                message: error.to_string(),
+            },
             Resolution::InScope {
                 policy,
                 identity,
@@ -166,39 +264,76 @@ pub fn compute(
                         .conflicts
                         .entry(loser.name_any())
                         .or_default()
-                        .insert(key.clone());
+                        .extend(keys.iter().cloned());
                 }
-                let entry_id = id_for(ownership, &identity);
-                let desired_entry =
-                    desired
-                        .entries
-                        .entry(entry_id.clone())
-                        .or_insert_with(|| DesiredEntry {
-                            entry: entry_for(ownership, &identity),
-                            needed_by: BTreeSet::new(),
-                            policy: policy.name_any(),
-                        });
-                desired_entry.needed_by.insert(key.clone());
-                WorkloadState::Needs {
-                    entry_id,
-                    spiffe_id: identity.spiffe_id,
+                SaState::Needs {
                     policy: policy.name_any(),
+                    entry: entry_for(ownership, &identity),
                 }
             }
         };
-        desired.workloads.insert(key, state);
+        desired.service_accounts.insert(
+            sa,
+            ServiceAccount {
+                state,
+                deployments: keys,
+            },
+        );
     }
+    refuse_shared_ids(&mut desired);
     desired
+}
+
+/// Two service accounts must never get one SPIFFE ID (possible only across policies with
+/// different templates). Both are held, with a reason, rather than picking one.
+fn refuse_shared_ids(desired: &mut Desired) {
+    let mut by_id: BTreeMap<String, Vec<SaKey>> = BTreeMap::new();
+    for (sa, account) in &desired.service_accounts {
+        if let SaState::Needs { entry, .. } = &account.state {
+            by_id
+                .entry(entry.spiffe_id.clone())
+                .or_default()
+                .push(sa.clone());
+        }
+    }
+    for (spiffe_id, holders) in by_id.into_iter().filter(|(_, h)| h.len() > 1) {
+        let names: Vec<String> = holders.iter().map(ToString::to_string).collect();
+        for sa in holders {
+            let account = desired
+                .service_accounts
+                .get_mut(&sa)
+                .expect("collected from this map");
+            if let SaState::Needs { policy, .. } = &account.state {
+                account.state = SaState::Invalid {
+                    policy: policy.clone(),
+                    reason: "SpiffeIDCollision",
+                    message: format!(
+                        "{spiffe_id} would be the identity of {}; fix the policies' templates",
+                        names.join(" and ")
+                    ),
+                };
+            }
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testing::{mk_deployment, mk_policy};
+    use crate::policy::testing::{mk_deployment, mk_policy, mk_selector};
 
-    fn enabled(ns: &str) -> Option<BTreeMap<String, String>> {
-        (ns != "off")
-            .then(|| BTreeMap::from([("spiffe.io/registrar".to_string(), "enabled".to_string())]))
+    fn enabled(ns: &str) -> Option<NamespaceInfo> {
+        (ns != "off").then(|| NamespaceInfo {
+            labels: BTreeMap::from([("spiffe.io/registrar".to_string(), "enabled".to_string())]),
+            terminating: ns == "dying",
+        })
+    }
+
+    fn sa(ns: &str, name: &str) -> SaKey {
+        SaKey {
+            namespace: ns.into(),
+            service_account: name.into(),
+        }
     }
 
     #[test]
@@ -212,26 +347,21 @@ mod tests {
         ];
         let policies = vec![Arc::new(mk_policy("p", 1, |_| {}))];
         let desired = compute(&o, &OptIn::default(), &deployments, &enabled, &policies);
-        assert_eq!(desired.entries.len(), 2);
-        let shared = desired
-            .entries
-            .values()
-            .find(|e| e.entry.spiffe_id.ends_with("/sa/api"))
-            .expect("api entry");
-        assert_eq!(shared.needed_by.len(), 2);
-        assert_eq!(shared.entry.x509_svid_ttl, 3600);
-        assert!(o.is_ours(&shared.entry));
+        let api = &desired.service_accounts[&sa("a", "api")];
+        assert_eq!(api.deployments.len(), 2);
+        let entry = desired.needs(&sa("a", "api")).expect("needs an entry");
+        assert_eq!(entry.x509_svid_ttl, 3600);
+        assert!(o.is_ours(entry));
+        assert_eq!(SaKey::of_entry(entry), Some(sa("a", "api")));
+        assert!(desired.needs(&sa("a", "default")).is_some());
         assert_eq!(
-            desired.workloads[&DeploymentKey {
-                namespace: "off".into(),
-                name: "x".into()
-            }],
-            WorkloadState::OutOfScope
+            desired.service_accounts[&sa("off", "default")].state,
+            SaState::OutOfScope
         );
     }
 
     #[test]
-    fn deleting_deployments_drop_out_of_the_refcount() {
+    fn deleting_deployments_and_terminating_namespaces_drop_out_of_the_refcount() {
         let o = Ownership::new("c").expect("valid");
         let mut leaving = mk_deployment("a", "web", Some("api"), &[]);
         leaving.metadata.deletion_timestamp =
@@ -241,66 +371,101 @@ mod tests {
         let deployments = vec![
             Arc::new(leaving),
             Arc::new(mk_deployment("a", "worker", Some("api"), &[])),
+            Arc::new(mk_deployment("dying", "x", None, &[])),
         ];
         let policies = vec![Arc::new(mk_policy("p", 1, |_| {}))];
         let desired = compute(&o, &OptIn::default(), &deployments, &enabled, &policies);
-        assert_eq!(desired.entries.len(), 1);
         assert_eq!(
-            desired
-                .entries
-                .values()
-                .next()
-                .expect("one")
-                .needed_by
-                .len(),
+            desired.service_accounts[&sa("a", "api")].deployments.len(),
             1
         );
+        assert!(
+            !desired
+                .service_accounts
+                .contains_key(&sa("dying", "default"))
+        );
+        assert!(desired.workloads.values().filter(|w| w.deleting).count() == 2);
     }
 
     #[test]
-    fn invalid_policies_hold_recorded_entries_and_conflicts_are_reported() {
+    fn one_policy_per_service_account_even_when_deployments_match_different_ones() {
         let o = Ownership::new("c").expect("valid");
-        let mut registered = mk_deployment("a", "web", None, &[]);
-        let id = o.entry_id(
-            "spiffe://example.org/ns/a/sa/default",
-            "spiffe://example.org/k8s/nodes",
-            &[],
-        );
-        registered.metadata.annotations = Some(BTreeMap::from([(
-            ENTRY_ID_ANNOTATION.to_string(),
-            id.clone(),
-        )]));
-        let broken = vec![Arc::new(mk_policy("p", 1, |s| {
-            s.parent_id = "spiffe://example.org/..".into()
-        }))];
-        let desired = compute(
-            &o,
-            &OptIn::default(),
-            &[Arc::new(registered.clone())],
-            &enabled,
-            &broken,
-        );
-        assert!(desired.entries.is_empty());
-        assert!(desired.held.contains(&id));
-        assert!(matches!(
-            desired.workloads.values().next(),
-            Some(WorkloadState::Invalid {
-                reason: "InvalidParentID",
-                ..
-            })
-        ));
-
-        let two = vec![
-            Arc::new(mk_policy("old", 1, |_| {})),
-            Arc::new(mk_policy("new", 2, |_| {})),
+        let deployments = vec![
+            Arc::new(mk_deployment("a", "web", Some("api"), &[("app", "web")])),
+            Arc::new(mk_deployment("a", "cron", Some("api"), &[("app", "cron")])),
         ];
+        let policies = vec![
+            Arc::new(mk_policy("for-web", 1, |s| {
+                s.deployment_selector = Some(mk_selector(&[("app", "web")]))
+            })),
+            Arc::new(mk_policy("for-cron", 2, |s| {
+                s.deployment_selector = Some(mk_selector(&[("app", "cron")]));
+                s.parent_id = "spiffe://example.org/other".into();
+            })),
+        ];
+        let desired = compute(&o, &OptIn::default(), &deployments, &enabled, &policies);
+        assert!(matches!(
+            &desired.service_accounts[&sa("a", "api")].state,
+            SaState::Needs { policy, .. } if policy == "for-web"
+        ));
+        assert_eq!(desired.conflicts["for-cron"].len(), 2);
+    }
+
+    #[test]
+    fn unevaluable_selectors_put_the_cluster_in_doubt_and_collisions_are_held() {
+        let o = Ownership::new("c").expect("valid");
+        let mut typo = mk_policy("typo", 1, |_| {});
+        typo.spec.deployment_selector = Some(crate::policy::crd::PolicySelector {
+            match_expressions: vec![crate::policy::crd::SelectorRequirement {
+                key: "app".into(),
+                operator: "Equals".into(),
+                values: vec!["x".into()],
+            }],
+            ..Default::default()
+        });
+        let swapped = mk_policy("swapped", 2, |s| {
+            s.spiffe_id_template =
+                Some("spiffe://{trustDomain}/{namespace}/{serviceAccount}".into());
+            s.namespace_selector = Some(mk_selector(&[("team", "b")]));
+        });
         let desired = compute(
             &o,
             &OptIn::default(),
-            &[Arc::new(registered)],
+            &[Arc::new(mk_deployment("a", "web", None, &[]))],
             &enabled,
-            &two,
+            &[Arc::new(typo), Arc::new(swapped)],
         );
-        assert_eq!(desired.conflicts["new"].len(), 1);
+        assert!(desired.doubt.contains("typo"));
+        assert_eq!(desired.invalid_policies["typo"].0, "InvalidSelector");
+        assert_eq!(
+            desired.service_accounts[&sa("a", "default")].state,
+            SaState::OutOfScope,
+            "the broken policy matches nothing; the other selects team b only"
+        );
+
+        let mut d = Desired::default();
+        for (ns, name) in [("a", "x"), ("b", "y")] {
+            d.service_accounts.insert(
+                sa(ns, name),
+                ServiceAccount {
+                    state: SaState::Needs {
+                        policy: "p".into(),
+                        entry: Entry {
+                            spiffe_id: "spiffe://td/same".into(),
+                            ..Entry::default()
+                        },
+                    },
+                    deployments: BTreeSet::new(),
+                },
+            );
+        }
+        refuse_shared_ids(&mut d);
+        assert!(d.service_accounts.values().all(|a| matches!(
+            a.state,
+            SaState::Invalid {
+                reason: "SpiffeIDCollision",
+                ..
+            }
+        )));
     }
 }

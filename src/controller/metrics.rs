@@ -1,6 +1,8 @@
 //! Controller metrics.
 
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 
 #[derive(Clone)]
 pub struct ControllerMetrics {
@@ -14,6 +16,16 @@ pub struct ControllerMetrics {
     pub entries: IntGauge,
     /// `admission_to_registered_seconds`: Deployment creation to its entry recorded.
     pub admission_to_registered: Histogram,
+    /// `entry_deletions_pending{reason}`: entries kept past need (transition, scope_loss,
+    /// brake, held), as of the last sync.
+    pub pending_deletions: IntGaugeVec,
+    /// `deletion_brake_engaged`: 1 while mass scope-loss deletions wait for confirmation.
+    pub deletion_brake: IntGauge,
+    /// `spire_entries_rejected_total`: creates SPIRE refused as invalid (each reported once).
+    pub rejected: IntCounter,
+    /// `spire_equivalent_foreign_entries_total`: equivalent entries found owned by another
+    /// writer (each reported once per resync).
+    pub foreign: IntCounter,
 }
 
 impl ControllerMetrics {
@@ -50,6 +62,29 @@ impl ControllerMetrics {
                 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
             ]),
         )?;
+        let pending_deletions = IntGaugeVec::new(
+            Opts::new(
+                "entry_deletions_pending",
+                "Entries of ours kept past need, by why (transition, scope_loss, brake, held)",
+            ),
+            &["reason"],
+        )?;
+        let deletion_brake = IntGauge::new(
+            "deletion_brake_engaged",
+            "1 while mass scope-loss deletions wait for an operator's confirmation",
+        )?;
+        let rejected = IntCounter::new(
+            "spire_entries_rejected_total",
+            "Entry creates SPIRE refused as invalid",
+        )?;
+        let foreign = IntCounter::new(
+            "spire_equivalent_foreign_entries_total",
+            "Equivalent entries found owned by another writer",
+        )?;
+        registry.register(Box::new(pending_deletions.clone()))?;
+        registry.register(Box::new(deletion_brake.clone()))?;
+        registry.register(Box::new(rejected.clone()))?;
+        registry.register(Box::new(foreign.clone()))?;
         registry.register(Box::new(registrations.clone()))?;
         registry.register(Box::new(errors.clone()))?;
         registry.register(Box::new(reconcile.clone()))?;
@@ -61,6 +96,10 @@ impl ControllerMetrics {
             reconcile,
             entries,
             admission_to_registered,
+            pending_deletions,
+            deletion_brake,
+            rejected,
+            foreign,
         })
     }
 }

@@ -2,14 +2,15 @@
 //!
 //! ```text
 //! watch events ─▶ Notify (coalescing) ─┐
-//! resync timer / retry backoff ────────┼─▶ sync: refresh view if stale → desired (pure)
-//! leadership (Lease) ──────────────────┘        → diff (pure) → batched writes → record
+//! resync / grace expiry / backoff ─────┼─▶ sync: refresh view if stale → desired (pure)
+//! leadership (Lease) ──────────────────┘   → decide (pure) → SPIRE writer → decide workloads
+//!                                          → Deployment/Event/status writers
 //! ```
 //! Kubernetes events only trigger; every sync recomputes everything from the caches, so a
 //! missed or duplicated event cannot leave anything behind.
 
+pub mod decide;
 pub mod desired;
-pub mod diff;
 pub mod metrics;
 pub mod record;
 pub mod status;

@@ -1,22 +1,19 @@
 //! Policy status: `Ready` condition and counts, computed purely from the sync's outcome and
 //! written only when it changed (so an idle cluster makes no writes).
 
-use super::desired::{Desired, WorkloadState};
-use super::view::ApplyReport;
-use crate::policy::render::validate;
-use crate::policy::select::validate_selectors;
+use super::decide::{Brake, Failures, Memory, SpirePlan};
+use super::desired::{Desired, SaState};
 use crate::policy::{SpiffeRegistration, SpiffeRegistrationStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
 
-/// Why a policy is not usable at all, if it is not: (reason, message).
-pub fn policy_problem(policy: &SpiffeRegistration) -> Option<(&'static str, String)> {
-    if let Err(error) = validate(&policy.spec) {
-        return Some((error.reason(), error.to_string()));
-    }
-    validate_selectors(policy)
-        .err()
-        .map(|e| ("InvalidSelector", e.to_string()))
+/// How an operator confirms the deletions the brake holds (README, "Deletion brake").
+pub fn confirm_command(token: &str) -> String {
+    format!(
+        "kubectl annotate crd {} {}={token} --overwrite",
+        crate::names::CRD_NAME,
+        crate::names::CONFIRM_DELETIONS_ANNOTATION
+    )
 }
 
 /// A condition that keeps its lastTransitionTime while its status stays the same.
@@ -45,69 +42,119 @@ fn condition(
     }
 }
 
+/// What one sync knows that status is computed from.
+pub struct Outcome<'a> {
+    pub desired: &'a Desired,
+    pub plan: &'a SpirePlan,
+    pub failures: &'a Failures,
+    pub memory: &'a Memory,
+}
+
 /// The status `policy` should have after this sync.
-pub fn compute(
-    policy: &SpiffeRegistration,
-    desired: &Desired,
-    report: &ApplyReport,
-) -> SpiffeRegistrationStatus {
+pub fn compute(policy: &SpiffeRegistration, outcome: &Outcome) -> SpiffeRegistrationStatus {
+    let Outcome {
+        desired,
+        plan,
+        failures,
+        memory,
+    } = outcome;
     let name = policy.name_any();
-    let selected = desired
-        .workloads
-        .values()
-        .filter(|w| matches!(w, WorkloadState::Needs { policy, .. } | WorkloadState::Invalid { policy, .. } if *policy == name))
-        .count() as u32;
-    let entries: Vec<&String> = desired
-        .entries
+    let mut selected = 0u32;
+    let mut entries = 0u32;
+    let mut failed = 0u32;
+    let mut first_failure = None;
+    for account in desired.service_accounts.values() {
+        let (governs, problem) = match &account.state {
+            SaState::Needs { policy, entry } => {
+                let problem = failures
+                    .get(&entry.id)
+                    .map(ToString::to_string)
+                    .or_else(|| {
+                        memory.rejected.get(&entry.id).map(|(_, reason)| {
+                            format!("SPIRE rejected {}: {reason}", entry.spiffe_id)
+                        })
+                    });
+                (*policy == name, problem)
+            }
+            SaState::Invalid {
+                policy, message, ..
+            } => (*policy == name, Some(message.clone())),
+            SaState::OutOfScope => (false, None),
+        };
+        if !governs {
+            continue;
+        }
+        selected += account.deployments.len() as u32;
+        if let Some(problem) = problem {
+            failed += 1;
+            first_failure.get_or_insert(problem);
+        } else {
+            entries += 1;
+        }
+    }
+    let pending = plan
+        .pending
         .iter()
-        .filter(|(_, e)| e.policy == name)
-        .map(|(id, _)| id)
-        .collect();
-    let failures = entries
-        .iter()
-        .filter(|id| report.failures.contains_key(**id))
+        .filter(|p| memory.policy_of(&p.entry.id) == Some(name.as_str()))
         .count() as u32;
     let conflicts = desired.conflicts.get(&name).map(|c| c.len()).unwrap_or(0);
-    let (status, reason, message) = if let Some((reason, message)) = policy_problem(policy) {
-        ("False", reason.to_string(), message)
-    } else if failures > 0 {
-        let first = entries
-            .iter()
-            .find_map(|id| report.failures.get(*id))
-            .map(ToString::to_string)
-            .unwrap_or_default();
-        (
-            "False",
-            "RegistrationFailed".to_string(),
-            format!(
-                "{failures} of {} entries failed; first: {first}",
-                entries.len()
-            ),
-        )
-    } else {
-        let mut message = format!(
-            "{selected} workloads registered under {} entries",
-            entries.len()
-        );
-        if conflicts > 0 {
-            message.push_str(&format!(
-                "; {conflicts} more match but an older policy applies to them"
-            ));
-        }
-        ("True", "Registered".to_string(), message)
-    };
+    let (status, reason, message) =
+        if let Some((reason, message)) = desired.invalid_policies.get(&name) {
+            ("False", reason.to_string(), message.clone())
+        } else if let Some(first) = first_failure {
+            (
+                "False",
+                "RegistrationFailed".to_string(),
+                format!(
+                    "{failed} of {} service accounts have no entry; first: {first}",
+                    failed + entries
+                ),
+            )
+        } else {
+            let mut message = format!("{selected} workloads registered under {entries} entries");
+            if conflicts > 0 {
+                message.push_str(&format!(
+                    "; {conflicts} more match but another policy governs their service accounts"
+                ));
+            }
+            if pending > 0 {
+                message.push_str(&format!("; {pending} entries pending deletion"));
+            }
+            ("True", "Registered".to_string(), message)
+        };
     let (conflict, conflict_reason, conflict_message) = if conflicts > 0 {
         (
             "True",
-            "OlderPolicyApplies",
-            format!("{conflicts} Deployments match this policy but an older one applies to them"),
+            "AnotherPolicyGoverns",
+            format!(
+                "{conflicts} Deployments match this policy but another policy governs their service accounts (higher priority, or older)"
+            ),
         )
     } else {
         (
             "False",
             "NoConflict",
-            "no Deployment matched by this policy is claimed by an older one".to_string(),
+            "every Deployment matched by this policy is governed by it".to_string(),
         )
+    };
+    let (braked, brake_reason, brake_message) = match &plan.brake {
+        Some(Brake {
+            token,
+            count,
+            total,
+        }) => (
+            "True",
+            "MassDeletionHeld",
+            format!(
+                "{count} of {total} entries lost their scope at once; nothing is deleted until an operator confirms with: {}",
+                confirm_command(token)
+            ),
+        ),
+        None => (
+            "False",
+            "NotEngaged",
+            "no mass deletion is waiting".to_string(),
+        ),
     };
     SpiffeRegistrationStatus {
         conditions: vec![
@@ -119,11 +166,19 @@ pub fn compute(
                 conflict_reason.to_string(),
                 conflict_message,
             ),
+            condition(
+                policy,
+                "DeletionBrake",
+                braked,
+                brake_reason.to_string(),
+                brake_message,
+            ),
         ],
         observed_generation: policy.metadata.generation,
         selected_workloads: selected,
-        entries: entries.len() as u32,
-        failures,
+        entries,
+        failures: failed,
+        pending_deletions: pending,
     }
 }
 
@@ -147,18 +202,19 @@ pub fn same_status(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::controller::desired::compute as desired;
+    use crate::controller::decide::{Input, spire_plan};
+    use crate::controller::desired::{NamespaceInfo, compute as desired};
     use crate::policy::OptIn;
     use crate::policy::testing::{mk_deployment, mk_policy};
     use crate::spire::Ownership;
     use std::collections::BTreeMap;
     use std::sync::Arc;
 
-    fn enabled(_: &str) -> Option<BTreeMap<String, String>> {
-        Some(BTreeMap::from([(
-            "spiffe.io/registrar".to_string(),
-            "enabled".to_string(),
-        )]))
+    fn enabled(_: &str) -> Option<NamespaceInfo> {
+        Some(NamespaceInfo {
+            labels: BTreeMap::from([("spiffe.io/registrar".to_string(), "enabled".to_string())]),
+            terminating: false,
+        })
     }
 
     fn find<'a>(status: &'a SpiffeRegistrationStatus, type_: &str) -> &'a Condition {
@@ -169,33 +225,57 @@ mod tests {
             .expect("condition present")
     }
 
+    fn status_of(
+        policies: &[Arc<SpiffeRegistration>],
+        deployments: Vec<Arc<k8s_openapi::api::apps::v1::Deployment>>,
+        which: usize,
+    ) -> SpiffeRegistrationStatus {
+        let o = Ownership::new("c").expect("valid");
+        let d = desired(&o, &OptIn::default(), &deployments, &enabled, policies);
+        let mut memory = Memory::default();
+        let settings = Default::default();
+        let observed = BTreeMap::new();
+        let plan = spire_plan(
+            &Input {
+                ownership: &o,
+                settings: &settings,
+                desired: &d,
+                observed: &observed,
+                now: std::time::Instant::now(),
+                confirmed: None,
+            },
+            &mut memory,
+        );
+        compute(
+            &policies[which],
+            &Outcome {
+                desired: &d,
+                plan: &plan,
+                failures: &Failures::new(),
+                memory: &memory,
+            },
+        )
+    }
+
     #[test]
     fn counts_conditions_and_stable_transition_times() {
-        let o = Ownership::new("c").expect("valid");
         let old = Arc::new(mk_policy("old", 1, |_| {}));
         let new = Arc::new(mk_policy("new", 2, |_| {}));
         let deployments = vec![
             Arc::new(mk_deployment("a", "web", Some("api"), &[])),
             Arc::new(mk_deployment("a", "worker", Some("api"), &[])),
         ];
-        let d = desired(
-            &o,
-            &OptIn::default(),
-            &deployments,
-            &enabled,
-            &[old.clone(), new.clone()],
-        );
-        let report = ApplyReport::default();
-
-        let winner = compute(&old, &d, &report);
+        let policies = [old.clone(), new.clone()];
+        let winner = status_of(&policies, deployments.clone(), 0);
         assert_eq!(
             (winner.selected_workloads, winner.entries, winner.failures),
             (2, 1, 0)
         );
         assert_eq!(find(&winner, "Ready").status, "True");
         assert_eq!(find(&winner, "Conflict").status, "False");
+        assert_eq!(find(&winner, "DeletionBrake").status, "False");
 
-        let loser = compute(&new, &d, &report);
+        let loser = status_of(&policies, deployments.clone(), 1);
         assert_eq!((loser.selected_workloads, loser.entries), (0, 0));
         assert_eq!(find(&loser, "Conflict").status, "True");
         assert!(
@@ -206,7 +286,7 @@ mod tests {
 
         let mut again = (*old).clone();
         again.status = Some(winner.clone());
-        let later = compute(&again, &d, &report);
+        let later = status_of(&[Arc::new(again), new], deployments, 0);
         assert_eq!(
             find(&later, "Ready").last_transition_time,
             find(&winner, "Ready").last_transition_time
@@ -214,13 +294,32 @@ mod tests {
     }
 
     #[test]
-    fn an_invalid_policy_is_not_ready_with_the_field_to_fix() {
-        let broken = mk_policy("p", 1, |s| s.ttl = Some("5s".into()));
-        let status = compute(
-            &broken,
-            &crate::controller::desired::Desired::default(),
-            &ApplyReport::default(),
+    fn a_policy_is_not_ready_while_a_service_account_fails_to_render() {
+        // Valid for most names, but this service account's name makes a DNS name invalid.
+        let policy = Arc::new(mk_policy("p", 1, |s| {
+            s.dns_names = vec!["{serviceAccount}.svc".into()]
+        }));
+        let status = status_of(
+            &[policy],
+            vec![
+                Arc::new(mk_deployment("a", "ok", Some("fine"), &[])),
+                Arc::new(mk_deployment("a", "odd", Some("has.dots"), &[])),
+            ],
+            0,
         );
+        let ready = find(&status, "Ready");
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "RegistrationFailed")
+        );
+        assert!(ready.message.starts_with("1 of 2"), "{}", ready.message);
+        assert_eq!((status.entries, status.failures), (1, 1));
+    }
+
+    #[test]
+    fn an_invalid_policy_is_not_ready_with_the_field_to_fix() {
+        let broken = Arc::new(mk_policy("p", 1, |s| s.ttl = Some("5s".into())));
+        let status = status_of(&[broken], vec![], 0);
         let ready = find(&status, "Ready");
         assert_eq!(
             (ready.status.as_str(), ready.reason.as_str()),

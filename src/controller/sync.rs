@@ -1,18 +1,19 @@
-//! One sync, and the loop that decides when to run it.
+//! The loop: when to sync, and one sync as snapshot → desired → decide → writers. Every
+//! decision lives in `decide` (pure); this file only wires it to SPIRE and Kubernetes.
 
-use super::desired::{self, DeploymentKey, Desired, WorkloadState, key_of, recorded_entry_id};
-use super::diff::{self, Plan};
+use super::decide::{self, DecideSettings, Memory, SpirePlan, WorkloadWrite};
+use super::desired::{self, DeploymentKey, Desired, NamespaceInfo, key_of};
 use super::metrics::ControllerMetrics;
-use super::record::{MetadataChange, event, write_workload};
-use super::status;
+use super::record::{event, write_workload};
+use super::status::{self, Outcome, confirm_command};
 use super::view::{ApplyReport, SpireView};
 use crate::index::Index;
-use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
+use crate::names::{CONFIRM_DELETIONS_ANNOTATION, CRD_NAME};
 use crate::policy::{OptIn, SpiffeRegistration};
 use crate::spire::{EntryApi, Ownership};
-use crate::webhook::PolicyView;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::{Api, Client, ResourceExt};
@@ -32,6 +33,7 @@ pub struct ControllerSettings {
     /// How long to let a burst of watch events accumulate before syncing.
     pub debounce: Duration,
     pub replica_id: String,
+    pub decide: DecideSettings,
 }
 
 pub struct Controller<A: EntryApi> {
@@ -42,17 +44,17 @@ pub struct Controller<A: EntryApi> {
     recorder: Recorder,
     metrics: ControllerMetrics,
     view: SpireView,
-    /// Last failure reported per Deployment, so an unchanged failure is not re-announced on
-    /// every sync.
-    reported: HashMap<DeploymentKey, String>,
-    /// Last (generation, reason) announced per policy.
-    policy_events: HashMap<String, (i64, String)>,
+    memory: Memory,
+    /// The deletion-brake confirmation last read from the CRD.
+    confirmed: Option<String>,
+    /// Last note published per (object, reason), so an unchanged situation is announced once.
+    policy_events: HashMap<(String, &'static str), String>,
     backoff: Duration,
 }
 
 /// What a sync asks of the loop.
 enum Next {
-    Idle,
+    Idle { recheck: Option<Instant> },
     RetryAfter(Duration),
 }
 
@@ -82,7 +84,8 @@ impl<A: EntryApi> Controller<A> {
             recorder,
             metrics,
             view: SpireView::default(),
-            reported: HashMap::new(),
+            memory: Memory::default(),
+            confirmed: None,
             policy_events: HashMap::new(),
             backoff: MIN_BACKOFF,
         }
@@ -120,8 +123,9 @@ impl<A: EntryApi> Controller<A> {
                     info!("became leader; syncing");
                 } else {
                     info!("not the leader; pausing writes");
-                    // A later leadership starts from a fresh list, not from a stale view.
+                    // A later leadership starts from a fresh list and fresh graces.
                     self.view.invalidate();
+                    self.memory = Memory::default();
                 }
             }
             if !leading {
@@ -133,9 +137,15 @@ impl<A: EntryApi> Controller<A> {
                 continue;
             }
             wait = match self.sync_once().await {
-                Next::Idle => {
+                Next::Idle { recheck } => {
                     self.backoff = MIN_BACKOFF;
-                    self.settings.resync_interval
+                    let until_recheck =
+                        recheck.map(|at| at.saturating_duration_since(Instant::now()));
+                    until_recheck
+                        .map_or(self.settings.resync_interval, |d| {
+                            d.min(self.settings.resync_interval)
+                        })
+                        .max(Duration::from_millis(50))
                 }
                 Next::RetryAfter(delay) => delay,
             };
@@ -148,6 +158,33 @@ impl<A: EntryApi> Controller<A> {
         delay
     }
 
+    fn desired(&self) -> (Desired, Vec<Arc<Deployment>>, Vec<Arc<SpiffeRegistration>>) {
+        let deployments = self.index.deployments.state();
+        let policies = self.index.policies.state();
+        let index = self.index.clone();
+        let namespaces = move |ns: &str| index.namespace_info(ns);
+        let desired = desired::compute(
+            &self.settings.ownership,
+            &self.settings.opt_in,
+            &deployments,
+            &namespaces,
+            &policies,
+        );
+        (desired, deployments, policies)
+    }
+
+    fn decide(&mut self, desired: &Desired) -> SpirePlan {
+        let input = decide::Input {
+            ownership: &self.settings.ownership,
+            settings: &self.settings.decide,
+            desired,
+            observed: &self.view.entries,
+            now: Instant::now(),
+            confirmed: self.confirmed.as_deref(),
+        };
+        decide::spire_plan(&input, &mut self.memory)
+    }
+
     async fn sync_once(&mut self) -> Next {
         let started = Instant::now();
         if self.view.stale(self.settings.resync_interval) {
@@ -155,45 +192,103 @@ impl<A: EntryApi> Controller<A> {
                 warn!(%error, "listing our SPIRE entries failed; nothing is written until it succeeds");
                 return Next::RetryAfter(self.next_backoff());
             }
+            self.memory.forget_spire_answers();
             debug!(entries = self.view.entries.len(), "refreshed SPIRE view");
         }
-        let deployments = self.index.deployments.state();
-        let policies = self.index.policies.state();
-        let index = self.index.clone();
-        let labels = move |ns: &str| index.namespace_labels(ns);
-        let desired = desired::compute(
-            &self.settings.ownership,
-            &self.settings.opt_in,
-            &deployments,
-            &labels,
-            &policies,
-        );
-        let plan = diff::plan(&self.settings.ownership, &desired, &self.view.entries);
-        let report = if plan.is_empty() {
+        let (desired, deployments, policies) = self.desired();
+        let mut plan = self.decide(&desired);
+        if let Some(brake) = &plan.brake
+            && self.refresh_confirmation(&brake.token).await
+        {
+            plan = self.decide(&desired);
+        }
+        let report = if plan.writes() == 0 {
             ApplyReport::default()
         } else {
-            self.apply(plan).await
+            self.apply(&plan).await
         };
+        let learned_foreign = !report.foreign.is_empty();
+        for (ours, theirs) in &report.foreign {
+            self.metrics.foreign.inc();
+            info!(entry_id = %ours, foreign_entry_id = %theirs.id, spiffe_id = %theirs.spiffe_id, adopt = self.settings.decide.adopt, "SPIRE holds an equivalent entry written by another tool");
+            self.memory.foreign.insert(ours.clone(), theirs.clone());
+        }
+        for (entry, reason) in &report.rejected {
+            self.metrics.rejected.inc();
+            warn!(entry_id = %entry.id, spiffe_id = %entry.spiffe_id, %reason, "SPIRE rejected an entry; the entry it replaces, if any, is kept");
+            self.memory
+                .rejected
+                .insert(entry.id.clone(), (entry.clone(), reason.clone()));
+        }
         self.metrics.entries.set(self.view.entries.len() as i64);
-        let patch_failed = self.record_workloads(&deployments, &desired, &report).await;
-        self.record_policies(&policies, &desired, &report).await;
+        self.record_plan_metrics(&plan);
+
+        let writes = decide::workload_writes(
+            &desired,
+            &plan,
+            &self.view.entries,
+            &report.failures,
+            &mut self.memory,
+        );
+        let patch_failed = self.write_workloads(&deployments, &desired, writes).await;
+        let outcome = Outcome {
+            desired: &desired,
+            plan: &plan,
+            failures: &report.failures,
+            memory: &self.memory,
+        };
+        let statuses: Vec<_> = policies
+            .iter()
+            .map(|p| (p.clone(), status::compute(p, &outcome)))
+            .collect();
+        self.record_policies(&desired, &plan, statuses).await;
         self.metrics
             .reconcile
             .observe(started.elapsed().as_secs_f64());
         if report.has_retryable() || patch_failed {
             Next::RetryAfter(self.next_backoff())
+        } else if learned_foreign && self.settings.decide.adopt {
+            Next::RetryAfter(Duration::ZERO)
         } else {
-            Next::Idle
+            Next::Idle {
+                recheck: plan.recheck,
+            }
         }
     }
 
-    async fn apply(&mut self, plan: Plan) -> ApplyReport {
-        let (creates, updates, deletes) = (plan.create.len(), plan.update.len(), plan.delete.len());
+    /// Reads the operator's confirmation from the CRD; true when it now confirms `token`.
+    async fn refresh_confirmation(&mut self, token: &str) -> bool {
+        if self.confirmed.as_deref() == Some(token) {
+            return false;
+        }
+        let api: Api<CustomResourceDefinition> = Api::all(self.client.clone());
+        match api.get(CRD_NAME).await {
+            Ok(crd) => {
+                self.confirmed = crd.annotations().get(CONFIRM_DELETIONS_ANNOTATION).cloned();
+                if self.confirmed.as_deref() == Some(token) {
+                    info!(token, "the operator confirmed the held deletions");
+                    return true;
+                }
+                let note = format!(
+                    "scope loss would delete many entries at once; confirm with: {}",
+                    confirm_command(token)
+                );
+                if self.first_policy_event(CRD_NAME, "DeletionBrakeEngaged", &note) {
+                    warn!(token, command = %confirm_command(token), "deletion brake engaged");
+                    event(&self.recorder, &crd, true, "DeletionBrakeEngaged", note).await;
+                }
+            }
+            Err(error) => warn!(%error, "reading the deletion confirmation failed"),
+        }
+        false
+    }
+
+    async fn apply(&mut self, plan: &SpirePlan) -> ApplyReport {
         let report = self
             .view
             .apply(self.api.as_ref(), &self.settings.ownership, plan)
             .await;
-        if creates > 0 && failpoint("pause-after-create") {
+        if !plan.create.is_empty() && failpoint("pause-after-create") {
             // Crash tests: stop between writing entries and recording them; the test SIGKILLs
             // the process here.
             warn!(
@@ -203,202 +298,123 @@ impl<A: EntryApi> Controller<A> {
             std::future::pending::<()>().await;
         }
         info!(
-            creates,
-            updates,
-            deletes,
+            creates = plan.create.len(),
+            updates = plan.update.len(),
+            deletes = plan.delete.len(),
             created = report.created,
             updated = report.updated,
             deleted = report.deleted,
             failed = report.failures.len(),
             "applied SPIRE changes"
         );
+        for entry in &plan.delete {
+            if !report.failures.contains_key(&entry.id) {
+                info!(entry_id = %entry.id, spiffe_id = %entry.spiffe_id, "deleted entry");
+            }
+        }
         for (entry_id, error) in &report.failures {
             warn!(%entry_id, %error, "SPIRE write failed");
         }
         report
     }
 
-    /// Annotations, finalizers and Events for every Deployment. Returns true when a patch
-    /// failed (the sync is then retried).
-    async fn record_workloads(
-        &mut self,
-        deployments: &[Arc<Deployment>],
-        desired: &Desired,
-        report: &ApplyReport,
-    ) -> bool {
-        // Decide first (cheap, in memory), then write concurrently: a sync touching 1,000
-        // Deployments should not wait for 1,000 sequential round trips.
-        let decisions: Vec<_> = deployments
-            .iter()
-            .filter_map(|deployment| {
-                let state = desired.workloads.get(&key_of(deployment))?;
-                let (change, announce) = self.decide(deployment, state, desired, report);
-                (!change.is_empty() || announce.is_some())
-                    .then(|| (deployment.clone(), change, announce))
-            })
-            .collect();
-        let writes: Vec<_> = decisions
+    fn record_plan_metrics(&self, plan: &SpirePlan) {
+        let mut by_reason: BTreeMap<&str, i64> = ["transition", "scope_loss", "brake", "held"]
             .into_iter()
-            .map(|(deployment, change, announce)| {
-                write_workload(&self.client, &self.recorder, deployment, change, announce)
-            })
+            .map(|r| (r, 0))
             .collect();
-        let failed = futures::stream::iter(writes)
-            .buffer_unordered(PATCH_CONCURRENCY)
-            .fold(false, |any, failed| async move { any || failed })
-            .await;
-        // Forget Deployments that are gone.
-        self.reported
-            .retain(|key, _| desired.workloads.contains_key(key));
-        failed
+        for pending in &plan.pending {
+            *by_reason.entry(pending.why.label()).or_default() += 1;
+        }
+        for (reason, count) in by_reason {
+            self.metrics
+                .pending_deletions
+                .with_label_values(&[reason])
+                .set(count);
+        }
+        self.metrics
+            .deletion_brake
+            .set(i64::from(plan.brake.is_some()));
     }
 
-    /// What to change on one Deployment and which Event (warning, reason, note) to publish.
-    fn decide(
-        &mut self,
-        deployment: &Deployment,
-        state: &WorkloadState,
+    /// Patches and Events for Deployments, concurrently. Returns true when a patch failed
+    /// (the sync is then retried).
+    async fn write_workloads(
+        &self,
+        deployments: &[Arc<Deployment>],
         desired: &Desired,
-        report: &ApplyReport,
-    ) -> (MetadataChange, Option<(bool, &'static str, String)>) {
-        let key = key_of(deployment);
-        let has_finalizer = deployment
-            .metadata
-            .finalizers
-            .iter()
-            .flatten()
-            .any(|f| f == FINALIZER);
-        let annotations = deployment.metadata.annotations.clone().unwrap_or_default();
-        let recorded = recorded_entry_id(deployment).map(str::to_string);
-        match state {
-            WorkloadState::Needs {
-                entry_id,
-                spiffe_id,
-                ..
-            } => {
-                // Finalizer and intended ID always (backfill when the webhook missed it).
-                let mut change = MetadataChange {
-                    add_finalizer: !has_finalizer,
-                    ..Default::default()
-                };
-                if annotations.get(SPIFFE_ID_ANNOTATION) != Some(spiffe_id) {
-                    change.spiffe_id = Some(Some(spiffe_id.clone()));
-                }
-                if let Some(error) = report.failures.get(entry_id) {
-                    self.metrics
-                        .errors
-                        .with_label_values(&[&key.namespace])
-                        .inc();
-                    let note = format!("entry {entry_id} for {spiffe_id}: {error}");
-                    let announce =
-                        self.first_time(&key, &note)
-                            .then_some((true, "RegistrationFailed", note));
-                    return (change, announce);
-                }
-                if !self.view.entries.contains_key(entry_id) {
-                    return (change, None);
-                }
-                self.reported.remove(&key);
-                if recorded.as_deref() == Some(entry_id.as_str()) {
-                    return (change, None);
-                }
-                change.entry_id = Some(Some(entry_id.clone()));
+        writes: Vec<WorkloadWrite>,
+    ) -> bool {
+        let by_key: HashMap<DeploymentKey, &Arc<Deployment>> =
+            deployments.iter().map(|d| (key_of(d), d)).collect();
+        let mut jobs = Vec::with_capacity(writes.len());
+        for write in writes {
+            let Some(deployment) = by_key.get(&write.key) else {
+                continue;
+            };
+            if let Some(change) = &write.change.entry_id
+                && change.is_some()
+            {
+                let namespace = write.key.namespace.as_str();
+                info!(deployment = %write.key.name, %namespace, entry_id = ?change, "registered");
+            }
+            if write.registered {
                 self.metrics
                     .registrations
-                    .with_label_values(&[&key.namespace])
+                    .with_label_values(&[&write.key.namespace])
                     .inc();
-                if recorded.is_none()
-                    && let Some(created) = &deployment.metadata.creation_timestamp
-                {
-                    let age = k8s_openapi::jiff::Timestamp::now().duration_since(created.0);
+                if let Some(created) = desired.workloads.get(&write.key).and_then(|w| w.created) {
+                    let age = k8s_openapi::jiff::Timestamp::now().duration_since(created);
                     self.metrics
                         .admission_to_registered
                         .observe(age.as_secs_f64().max(0.0));
                 }
-                info!(deployment = %key.name, namespace = %key.namespace, %spiffe_id, %entry_id, "registered");
-                (
-                    change,
-                    Some((
-                        false,
-                        "Registered",
-                        format!("SPIFFE ID {spiffe_id}, SPIRE entry {entry_id}"),
-                    )),
-                )
             }
-            WorkloadState::Invalid {
-                policy, message, ..
-            } => {
-                let note = format!("policy {policy}: {message}");
-                let announce =
-                    self.first_time(&key, &note)
-                        .then_some((true, "RegistrationFailed", note));
-                (MetadataChange::default(), announce)
+            if let Some(announce) = &write.announce
+                && announce.reason == "RegistrationFailed"
+            {
+                self.metrics
+                    .errors
+                    .with_label_values(&[&write.key.namespace])
+                    .inc();
             }
-            WorkloadState::Deleting { .. } | WorkloadState::OutOfScope => {
-                let ours = has_finalizer
-                    || annotations.contains_key(SPIFFE_ID_ANNOTATION)
-                    || annotations.contains_key(ENTRY_ID_ANNOTATION);
-                if !ours {
-                    return (MetadataChange::default(), None);
-                }
-                // Released only once each entry it had (recorded) or would have (current policy)
-                // is gone from SPIRE or needed by someone else.
-                let would_need = match state {
-                    WorkloadState::Deleting { would_need } => would_need.clone(),
-                    _ => None,
-                };
-                let pending = recorded.iter().chain(would_need.iter()).find(|id| {
-                    self.view.entries.contains_key(*id) && !desired.entries.contains_key(*id)
-                });
-                if let Some(pending) = pending {
-                    if let Some(error) = report.failures.get(pending) {
-                        let note = format!("waiting to delete entry {pending}: {error}");
-                        let announce = self.first_time(&key, &note).then_some((
-                            true,
-                            "DeregistrationFailed",
-                            note,
-                        ));
-                        return (MetadataChange::default(), announce);
-                    }
-                    return (MetadataChange::default(), None);
-                }
-                let change = MetadataChange {
-                    remove_finalizer: has_finalizer,
-                    // Out of scope: the annotations would be stale. Deleting: irrelevant.
-                    spiffe_id: matches!(state, WorkloadState::OutOfScope).then_some(None),
-                    entry_id: matches!(state, WorkloadState::OutOfScope).then_some(None),
-                    ..Default::default()
-                };
-                let announce = recorded.map(|id| {
-                    info!(deployment = %key.name, namespace = %key.namespace, entry_id = %id, "deregistered");
-                    let shared = desired.entries.contains_key(&id);
-                    let note = if shared { format!("entry {id} is still used by other Deployments") } else { format!("entry {id} deleted") };
-                    (false, "Deregistered", note)
-                });
-                (change, announce)
-            }
+            let announce = write.announce.map(|a| (a.warning, a.reason, a.note));
+            jobs.push(write_workload(
+                &self.client,
+                &self.recorder,
+                (*deployment).clone(),
+                write.change,
+                announce,
+            ));
         }
+        futures::stream::iter(jobs)
+            .buffer_unordered(PATCH_CONCURRENCY)
+            .fold(false, |any, failed| async move { any || failed })
+            .await
     }
 
-    /// True the first time `note` is reported for `key` (until it changes or clears).
-    fn first_time(&mut self, key: &DeploymentKey, note: &str) -> bool {
-        if self.reported.get(key).map(String::as_str) == Some(note) {
+    /// True the first time `note` is published for (`object`, `reason`).
+    fn first_policy_event(&mut self, object: &str, reason: &'static str, note: &str) -> bool {
+        let key = (object.to_string(), reason);
+        if self.policy_events.get(&key).map(String::as_str) == Some(note) {
             return false;
         }
-        self.reported.insert(key.clone(), note.to_string());
+        self.policy_events.insert(key, note.to_string());
         true
     }
 
     async fn record_policies(
         &mut self,
-        policies: &[Arc<SpiffeRegistration>],
         desired: &Desired,
-        report: &ApplyReport,
+        plan: &SpirePlan,
+        statuses: Vec<(
+            Arc<SpiffeRegistration>,
+            crate::policy::SpiffeRegistrationStatus,
+        )>,
     ) {
         let api: Api<SpiffeRegistration> = Api::all(self.client.clone());
-        for policy in policies {
+        for (policy, wanted) in statuses {
             let name = policy.name_any();
-            let wanted = status::compute(policy, desired, report);
             let unchanged = policy
                 .status
                 .as_ref()
@@ -409,19 +425,45 @@ impl<A: EntryApi> Controller<A> {
                     .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
                 {
-                    debug!(policy = %name, %error, "status update failed; will retry on the next sync");
+                    warn!(policy = %name, %error, "status update failed; will retry on the next sync");
                 }
             }
-            if let Some((reason, message)) = status::policy_problem(policy) {
+            let mut events: Vec<(&'static str, String)> = Vec::new();
+            if let Some((reason, message)) = desired.invalid_policies.get(&name) {
                 let generation = policy.metadata.generation.unwrap_or_default();
-                let marker = (generation, reason.to_string());
-                if self.policy_events.get(&name) != Some(&marker) {
-                    self.policy_events.insert(name.clone(), marker);
-                    warn!(policy = %name, reason, %message, "invalid policy");
-                    event(&self.recorder, policy.as_ref(), true, reason, message).await;
+                events.push((reason, format!("{message} (generation {generation})")));
+            }
+            let rejected: Vec<String> = self
+                .memory
+                .rejected
+                .iter()
+                .filter(|(id, _)| self.memory.policy_of(id) == Some(name.as_str()))
+                .map(|(_, (entry, reason))| format!("{}: {reason}", entry.spiffe_id))
+                .collect();
+            if let Some(first) = rejected.first() {
+                events.push((
+                    "RegistrationRejected",
+                    format!(
+                        "SPIRE rejected {} entries of this policy (previous entries are kept); first: {first}",
+                        rejected.len()
+                    ),
+                ));
+            }
+            if let Some(brake) = &plan.brake {
+                events.push((
+                    "DeletionBrakeEngaged",
+                    format!(
+                        "{} entries lost their scope at once; confirm with: {}",
+                        brake.count,
+                        confirm_command(&brake.token)
+                    ),
+                ));
+            }
+            for (reason, note) in events {
+                if self.first_policy_event(&name, reason, &note) {
+                    warn!(policy = %name, reason, %note, "policy problem");
+                    event(&self.recorder, policy.as_ref(), true, reason, note).await;
                 }
-            } else {
-                self.policy_events.remove(&name);
             }
         }
     }
@@ -437,17 +479,30 @@ fn failpoint(name: &str) -> bool {
         == Some(name)
 }
 
-/// Desired-state view for `spiffe-registrar plan`.
+/// Desired state and the decision a fresh leader would take now, for `spiffe-registrar plan`.
 pub fn plan_against(
-    ownership: &Ownership,
-    opt_in: &OptIn,
+    settings: &ControllerSettings,
     index: &Index,
     observed: &BTreeMap<String, crate::spire::Entry>,
-) -> (Desired, Plan) {
+) -> (Desired, SpirePlan) {
     let deployments = index.deployments.state();
     let policies = index.policies.state();
-    let labels = |ns: &str| index.namespace_labels(ns);
-    let desired = desired::compute(ownership, opt_in, &deployments, &labels, &policies);
-    let plan = diff::plan(ownership, &desired, observed);
+    let namespaces = |ns: &str| -> Option<NamespaceInfo> { index.namespace_info(ns) };
+    let desired = desired::compute(
+        &settings.ownership,
+        &settings.opt_in,
+        &deployments,
+        &namespaces,
+        &policies,
+    );
+    let input = decide::Input {
+        ownership: &settings.ownership,
+        settings: &settings.decide,
+        desired: &desired,
+        observed,
+        now: Instant::now(),
+        confirmed: None,
+    };
+    let plan = decide::spire_plan(&input, &mut Memory::default());
     (desired, plan)
 }

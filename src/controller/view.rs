@@ -2,7 +2,7 @@
 //! own write results. A trigger therefore costs no list call; the periodic resync re-lists (by
 //! hint, paged) to catch what others changed: entries deleted or edited by hand.
 
-use super::diff::Plan;
+use super::decide::SpirePlan;
 use crate::spire::{Entry, EntryApi, ItemError, Ownership, SpireError};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -13,10 +13,14 @@ pub struct SpireView {
     listed_at: Option<Instant>,
 }
 
-/// Per-entry failures of one apply, by entry ID.
+/// Outcome of one apply, by entry ID.
 #[derive(Debug, Default)]
 pub struct ApplyReport {
     pub failures: BTreeMap<String, ItemError>,
+    /// Our desired ID → the equivalent entry another writer owns (SPIRE returned it).
+    pub foreign: Vec<(String, Entry)>,
+    /// Creates SPIRE refused as invalid: (what we sent, SPIRE's reason).
+    pub rejected: Vec<(Entry, String)>,
     pub created: usize,
     pub updated: usize,
     pub deleted: usize,
@@ -47,46 +51,37 @@ impl SpireView {
         Ok(())
     }
 
-    /// Applies `plan` (deletes first, so a recreate under the same ID works) and folds the
-    /// results into the view.
+    /// Applies the SPIRE half of `plan` (creates first, then updates, then deletes: a
+    /// replacement is always in SPIRE before anything is deleted) and folds the results into
+    /// the view.
     pub async fn apply(
         &mut self,
         api: &impl EntryApi,
         ownership: &Ownership,
-        plan: Plan,
+        plan: &SpirePlan,
     ) -> ApplyReport {
         let mut report = ApplyReport::default();
-        if !plan.delete.is_empty() {
-            for result in api.delete(plan.delete).await {
-                match result {
-                    Ok(id) => {
-                        self.entries.remove(&id);
-                        report.deleted += 1;
-                    }
-                    Err(error) => {
-                        report.failures.insert(item_id(&error), error);
-                    }
-                }
-            }
-        }
         if !plan.create.is_empty() {
-            let wanted: Vec<String> = plan.create.iter().map(|e| e.id.clone()).collect();
-            for (id, result) in wanted.into_iter().zip(api.create(plan.create).await) {
+            let results = api.create(plan.create.clone()).await;
+            for (sent, result) in plan.create.iter().zip(results) {
+                let id = sent.id.clone();
                 match result {
                     Ok(entry) if entry.id == id && ownership.is_ours(&entry) => {
                         self.entries.insert(id, entry);
                         report.created += 1;
                     }
-                    // SPIRE already has a similar entry written by someone else. It serves the
-                    // workload, but it is not ours: never adopted, never deleted.
-                    Ok(entry) => {
-                        let message = format!(
-                            "SPIRE already has an equivalent entry {} owned by another writer",
-                            entry.id
-                        );
+                    // SPIRE already has an equivalent entry. Ours under another ID (adopted,
+                    // or a previous cluster name) joins the view; anyone else's is reported
+                    // and never touched unless adoption is on.
+                    Ok(entry) if ownership.is_ours(&entry) => {
+                        self.entries.insert(entry.id.clone(), entry);
+                    }
+                    Ok(entry) => report.foreign.push((id, entry)),
+                    Err(ItemError::Invalid { id, message }) => {
+                        report.rejected.push((sent.clone(), message.clone()));
                         report
                             .failures
-                            .insert(id.clone(), ItemError::IdCollision { id, message });
+                            .insert(id.clone(), ItemError::Invalid { id, message });
                     }
                     Err(error) => {
                         report.failures.insert(id, error);
@@ -95,19 +90,34 @@ impl SpireView {
             }
         }
         if !plan.update.is_empty() {
-            let wanted: Vec<String> = plan.update.iter().map(|e| e.id.clone()).collect();
-            for (id, result) in wanted.into_iter().zip(api.update(plan.update).await) {
+            let results = api.update(plan.update.clone()).await;
+            for (sent, result) in plan.update.iter().zip(results) {
+                let id = sent.id.clone();
                 match result {
-                    Ok(entry) => {
+                    Ok(entry) if ownership.is_ours(&entry) => {
                         self.entries.insert(id, entry);
                         report.updated += 1;
                     }
+                    Ok(_) => {}
                     Err(error) => {
                         if matches!(error, ItemError::NotFound { .. }) {
                             // Deleted behind our back: the next sync creates it again.
                             self.entries.remove(&id);
                         }
                         report.failures.insert(id, error);
+                    }
+                }
+            }
+        }
+        if !plan.delete.is_empty() {
+            for result in api.delete(plan.delete.clone()).await {
+                match result {
+                    Ok(id) => {
+                        self.entries.remove(&id);
+                        report.deleted += 1;
+                    }
+                    Err(error) => {
+                        report.failures.insert(item_id(&error), error);
                     }
                 }
             }
@@ -132,6 +142,15 @@ mod tests {
     use crate::policy::testing::mk_entry as entry;
     use crate::spire::memory::MemoryEntryApi;
 
+    fn plan(create: Vec<Entry>, update: Vec<Entry>, delete: Vec<Entry>) -> SpirePlan {
+        SpirePlan {
+            create,
+            update,
+            delete,
+            ..SpirePlan::default()
+        }
+    }
+
     #[tokio::test]
     async fn write_results_fold_into_the_view() {
         let o = Ownership::new("c").expect("valid");
@@ -142,37 +161,32 @@ mod tests {
         assert!(!view.stale(Duration::from_secs(60)));
 
         let (a, b) = (entry(&o, "a", 60), entry(&o, "b", 60));
-        let plan = Plan {
-            create: vec![a.clone(), b.clone()],
-            ..Plan::default()
-        };
-        let report = view.apply(&api, &o, plan).await;
+        let report = view
+            .apply(&api, &o, &plan(vec![a.clone(), b.clone()], vec![], vec![]))
+            .await;
         assert_eq!((report.created, report.failures.len()), (2, 0));
         assert_eq!(view.entries.len(), 2);
 
         // Deleted behind our back: the update fails NotFound and the view forgets it, so the
-        // next diff creates it again.
+        // next decision creates it again.
         api.remove_raw(&b.id);
-        let plan = Plan {
-            update: vec![Entry {
-                x509_svid_ttl: 90,
-                ..b.clone()
-            }],
-            ..Plan::default()
+        let changed = Entry {
+            x509_svid_ttl: 90,
+            ..b.clone()
         };
-        let report = view.apply(&api, &o, plan).await;
+        let report = view
+            .apply(&api, &o, &plan(vec![], vec![changed], vec![]))
+            .await;
         assert!(report.has_retryable());
         assert!(!view.entries.contains_key(&b.id));
 
-        // Deletes run before creates, so a recreate under the same ID goes through.
-        let plan = Plan {
-            delete: vec![a.id.clone()],
-            create: vec![a.clone()],
-            ..Plan::default()
-        };
-        let report = view.apply(&api, &o, plan).await;
-        assert_eq!((report.deleted, report.created), (1, 1));
-        assert!(view.entries.contains_key(&a.id));
+        // Creates run before deletes: make-before-break within one apply.
+        let c = entry(&o, "c", 60);
+        let report = view
+            .apply(&api, &o, &plan(vec![c.clone()], vec![], vec![a.clone()]))
+            .await;
+        assert_eq!((report.created, report.deleted), (1, 1));
+        assert!(view.entries.contains_key(&c.id) && !view.entries.contains_key(&a.id));
     }
 
     #[tokio::test]
@@ -187,19 +201,10 @@ mod tests {
         });
         let mut view = SpireView::default();
         let report = view
-            .apply(
-                &api,
-                &o,
-                Plan {
-                    create: vec![ours.clone()],
-                    ..Plan::default()
-                },
-            )
+            .apply(&api, &o, &plan(vec![ours.clone()], vec![], vec![]))
             .await;
-        assert!(matches!(
-            report.failures.get(&ours.id),
-            Some(ItemError::IdCollision { .. })
-        ));
+        assert_eq!(report.foreign.len(), 1);
+        assert_eq!(report.foreign[0].1.id, "someone-elses");
         assert!(
             view.entries.is_empty(),
             "never in our view, so never deleted by us"
@@ -212,26 +217,12 @@ mod tests {
         let api = MemoryEntryApi::new(o.clone());
         let mut view = SpireView::default();
         let a = entry(&o, "a", 60);
-        view.apply(
-            &api,
-            &o,
-            Plan {
-                create: vec![a.clone()],
-                ..Plan::default()
-            },
-        )
-        .await;
+        view.apply(&api, &o, &plan(vec![a.clone()], vec![], vec![]))
+            .await;
         api.set_down(true);
         assert!(view.refresh(&api).await.is_err());
         let report = view
-            .apply(
-                &api,
-                &o,
-                Plan {
-                    delete: vec![a.id.clone()],
-                    ..Plan::default()
-                },
-            )
+            .apply(&api, &o, &plan(vec![], vec![], vec![a.clone()]))
             .await;
         assert!(report.has_retryable());
         assert!(

@@ -1,9 +1,12 @@
 //! The `SpiffeRegistration` CRD: cluster-scoped policy saying which Deployments get an identity
 //! and how it is rendered. Generated YAML: `spiffe-registrar crd` (checked in under manifests/).
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
+    Condition, LabelSelector, LabelSelectorRequirement,
+};
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// Default SPIFFE ID template: one identity per (namespace, service account).
 pub const DEFAULT_SPIFFE_ID_TEMPLATE: &str =
@@ -69,29 +72,99 @@ pub struct SpiffeRegistrationSpec {
 
     /// Namespaces (already opted in by label) this policy applies to. Unset: all of them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub namespace_selector: Option<LabelSelector>,
+    pub namespace_selector: Option<PolicySelector>,
 
-    /// Deployments (by their labels) this policy applies to. Unset: all of them.
+    /// Deployments (by their labels) this policy applies to. A service account is governed by
+    /// a policy when at least one of its Deployments matches. Unset: all of them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub deployment_selector: Option<LabelSelector>,
+    pub deployment_selector: Option<PolicySelector>,
+
+    /// When several policies match Deployments of one service account, the highest priority
+    /// wins, then the oldest policy, then the name. Default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = -1000, max = 1000))]
+    pub priority: Option<i32>,
 
     /// SPIFFE ID template; placeholders `{trustDomain}`, `{namespace}`, `{serviceAccount}`.
+    /// `{namespace}` and `{serviceAccount}` must each appear exactly once, each as a whole path
+    /// segment, namespace first, so two workloads never render the same ID.
     /// Default: `spiffe://{trustDomain}/ns/{namespace}/sa/{serviceAccount}`.
     #[serde(
         rename = "spiffeIDTemplate",
         default,
         skip_serializing_if = "Option::is_none"
     )]
+    #[x_kube(validation = Rule::new(TEMPLATE_RULE).message("spiffeIDTemplate: spiffe://<trust domain or {trustDomain}>/<segments>, with {namespace} and {serviceAccount} each exactly once as a whole path segment, namespace first"))]
     #[schemars(length(max = 2048))]
     pub spiffe_id_template: Option<String>,
 
-    /// DNS names for the X.509-SVID; same placeholders as the SPIFFE ID template.
+    /// DNS names for the X.509-SVID; same placeholders as the SPIFFE ID template, each only as
+    /// a whole DNS label (`{serviceAccount}.{namespace}.svc`), so a name chosen by a tenant can
+    /// never add labels of its own.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32), inner(length(max = 253), regex(pattern = DNS_TEMPLATE_PATTERN)))]
     pub dns_names: Vec<String>,
 
     /// Trust domains the entries federate with (each needs a bundle in SPIRE).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub federates_with: Vec<String>,
+}
+
+/// The SPIFFE ID template shape, checked by the apiserver (CEL, RE2) and again by
+/// `render::check_template` for policies stored before this rule existed.
+pub const TEMPLATE_RULE: &str = "self.matches('^spiffe://(\\\\{trustDomain\\\\}|[a-z0-9._-]+)(/([A-Za-z0-9._-]+|\\\\{namespace\\\\}|\\\\{serviceAccount\\\\}))+$') && self.matches('^[^{]*(\\\\{trustDomain\\\\}[^{]*)?/\\\\{namespace\\\\}/([^{]*/)?\\\\{serviceAccount\\\\}(/[^{]*)?$')";
+
+/// A DNS name template: labels are literals or whole placeholders; at most one leading `*.`.
+pub const DNS_TEMPLATE_PATTERN: &str = "^(\\*\\.)?((\\{trustDomain\\}|\\{namespace\\}|\\{serviceAccount\\}|[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)\\.)*(\\{trustDomain\\}|\\{namespace\\}|\\{serviceAccount\\}|[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)$";
+
+/// A label selector as Kubernetes defines it, with the schema the apiserver enforces: a
+/// misspelt operator, or `In`/`NotIn` without values, fails at `kubectl apply` instead of
+/// silently matching nothing. Stored objects from before this schema still deserialize (the
+/// operator is a plain string here) and are reported invalid by the controller.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicySelector {
+    /// Labels that must all be present with these values.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 64))]
+    pub match_labels: BTreeMap<String, String>,
+    /// Requirements that must all hold.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub match_expressions: Vec<SelectorRequirement>,
+}
+
+/// One requirement of a `PolicySelector`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[x_kube(validation = Rule::new("(self.operator == 'In' || self.operator == 'NotIn') ? (has(self.values) && size(self.values) > 0) : (!has(self.values) || size(self.values) == 0)").message("In and NotIn need at least one value; Exists and DoesNotExist take none"))]
+pub struct SelectorRequirement {
+    #[schemars(length(min = 1, max = 317))]
+    pub key: String,
+    /// One of In, NotIn, Exists, DoesNotExist.
+    #[schemars(extend("enum" = ["In", "NotIn", "Exists", "DoesNotExist"]))]
+    pub operator: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(max = 63)))]
+    pub values: Vec<String>,
+}
+
+impl PolicySelector {
+    /// The Kubernetes type, for kube's selector evaluation.
+    pub fn to_label_selector(&self) -> LabelSelector {
+        LabelSelector {
+            match_labels: (!self.match_labels.is_empty()).then(|| self.match_labels.clone()),
+            match_expressions: (!self.match_expressions.is_empty()).then(|| {
+                self.match_expressions
+                    .iter()
+                    .map(|r| LabelSelectorRequirement {
+                        key: r.key.clone(),
+                        operator: r.operator.clone(),
+                        values: (!r.values.is_empty()).then(|| r.values.clone()),
+                    })
+                    .collect()
+            }),
+        }
+    }
 }
 
 /// What the controller observed when it last applied the policy.
@@ -110,9 +183,14 @@ pub struct SpiffeRegistrationStatus {
     /// SPIRE entries those Deployments need (Deployments sharing a service account share one).
     #[serde(default)]
     pub entries: u32,
-    /// Entries that could not be written in the last sync.
+    /// Service accounts this policy governs that have no entry: the policy cannot render
+    /// their identity, or SPIRE refused it. The Ready condition carries the first reason.
     #[serde(default)]
     pub failures: u32,
+    /// Entries of this policy waiting to be deleted (scope-loss or transition grace, or the
+    /// deletion brake).
+    #[serde(default)]
+    pub pending_deletions: u32,
 }
 
 /// The CRD as YAML, exactly as committed under manifests/ (a test checks they match).

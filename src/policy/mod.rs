@@ -92,26 +92,34 @@ pub fn service_account_of(deployment: &Deployment) -> &str {
         .unwrap_or("default")
 }
 
-/// Resolves the policy and identity of `deployment` living in a namespace with
-/// `namespace_labels` (`None` when the namespace is not known yet: out of scope).
-pub fn resolve<'p>(
+/// The labels of a Deployment (empty when it has none).
+pub fn labels_of(deployment: &Deployment) -> &BTreeMap<String, String> {
+    static EMPTY: BTreeMap<String, String> = BTreeMap::new();
+    deployment.metadata.labels.as_ref().unwrap_or(&EMPTY)
+}
+
+/// Resolves the policy and identity of one service account: `namespace` with
+/// `namespace_labels` (`None` when the namespace is not known or not opted in), whose live
+/// Deployments carry `deployment_labels`. Resolution is per service account, not per
+/// Deployment, because SPIRE's selectors (`k8s:ns`, `k8s:sa`) cannot tell two Deployments of
+/// one service account apart: one service account, one identity.
+pub fn resolve<'p, 'l>(
     opt_in: &OptIn,
     namespace: &str,
     namespace_labels: Option<&BTreeMap<String, String>>,
-    deployment: &Deployment,
+    service_account: &str,
+    deployment_labels: impl IntoIterator<Item = &'l BTreeMap<String, String>> + Clone,
     policies: impl IntoIterator<Item = &'p SpiffeRegistration>,
 ) -> Resolution<'p> {
     let Some(namespace_labels) = namespace_labels.filter(|labels| opt_in.admits(labels)) else {
         return Resolution::OutOfScope;
     };
-    let empty = BTreeMap::new();
-    let deployment_labels = deployment.metadata.labels.as_ref().unwrap_or(&empty);
     let Some(selection) = select::select(policies, namespace_labels, deployment_labels) else {
         return Resolution::OutOfScope;
     };
     let workload = Workload {
         namespace,
-        service_account: service_account_of(deployment),
+        service_account,
     };
     match render::render(&selection.winner.spec, &workload) {
         Ok(identity) => Resolution::InScope {
@@ -133,6 +141,7 @@ pub mod testing;
 mod tests {
     use super::testing::{mk_deployment, mk_policy};
     use super::*;
+    use kube::ResourceExt;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs
@@ -141,82 +150,129 @@ mod tests {
             .collect()
     }
 
+    fn one(
+        namespace_labels: Option<&BTreeMap<String, String>>,
+        deployment: &Deployment,
+        policies: &[&SpiffeRegistration],
+    ) -> String {
+        let resolution = resolve(
+            &OptIn::default(),
+            "ns",
+            namespace_labels,
+            service_account_of(deployment),
+            [labels_of(deployment)],
+            policies.iter().copied(),
+        );
+        match resolution {
+            Resolution::OutOfScope => "out".into(),
+            Resolution::Invalid { policy, error } => {
+                format!("invalid {} {}", policy.name_any(), error.reason())
+            }
+            Resolution::InScope {
+                policy,
+                identity,
+                losers,
+            } => format!(
+                "{} {} losers={}",
+                policy.name_any(),
+                identity.spiffe_id,
+                losers.len()
+            ),
+        }
+    }
+
     #[test]
     fn table_of_resolutions() {
-        let opt_in = OptIn::default();
         let enabled = labels(&[("spiffe.io/registrar", "enabled"), ("team", "pay")]);
         let disabled = labels(&[("team", "pay")]);
         let old = mk_policy("old", 100, |_| {});
         let new = mk_policy("new", 200, |s| s.trust_domain = "new.org".into());
+        let urgent = mk_policy("urgent", 300, |s| s.priority = Some(10));
         let only_web = mk_policy("only-web", 50, |s| {
-            s.deployment_selector = Some(
-                serde_json::from_value(serde_json::json!({"matchLabels": {"app": "web"}}))
-                    .expect("selector"),
-            )
+            s.deployment_selector = Some(crate::policy::testing::mk_selector(&[("app", "web")]))
         });
         let broken = mk_policy("broken", 10, |s| {
             s.parent_id = "spiffe://elsewhere/x".into()
         });
         let web = mk_deployment("ns", "web", Some("api"), &[("app", "web")]);
         let db = mk_deployment("ns", "db", None, &[("app", "db")]);
-
-        assert!(matches!(
-            resolve(&opt_in, "ns", Some(&disabled), &web, [&old]),
-            Resolution::OutOfScope
-        ));
-        assert!(
-            matches!(
-                resolve(&opt_in, "ns", None, &web, [&old]),
-                Resolution::OutOfScope
+        let id = |sa: &str| format!("spiffe://example.org/ns/ns/sa/{sa}");
+        let cases: Vec<(
+            &str,
+            Option<&BTreeMap<String, String>>,
+            &Deployment,
+            Vec<&SpiffeRegistration>,
+            String,
+        )> = vec![
+            (
+                "namespace not opted in",
+                Some(&disabled),
+                &web,
+                vec![&old],
+                "out".into(),
             ),
-            "unknown namespace"
-        );
-        assert!(
-            matches!(
-                resolve(&opt_in, "ns", Some(&enabled), &web, []),
-                Resolution::OutOfScope
+            ("unknown namespace", None, &web, vec![&old], "out".into()),
+            ("no policy", Some(&enabled), &web, vec![], "out".into()),
+            (
+                "oldest wins regardless of order; no SA is default",
+                Some(&enabled),
+                &db,
+                vec![&new, &old],
+                format!("old {} losers=1", id("default")),
             ),
-            "no policy"
-        );
-
-        match resolve(&opt_in, "ns", Some(&enabled), &db, [&new, &old]) {
-            Resolution::InScope {
-                policy,
-                identity,
-                losers,
-            } => {
-                assert_eq!(
-                    policy.metadata.name.as_deref(),
-                    Some("old"),
-                    "oldest wins regardless of order"
-                );
-                assert_eq!(losers.len(), 1);
-                assert_eq!(
-                    identity.spiffe_id, "spiffe://example.org/ns/ns/sa/default",
-                    "no SA → default"
-                );
-            }
-            other => panic!("{other:?}"),
+            (
+                "selector narrows",
+                Some(&enabled),
+                &web,
+                vec![&old, &only_web],
+                format!("only-web {} losers=1", id("api")),
+            ),
+            (
+                "priority beats age",
+                Some(&enabled),
+                &web,
+                vec![&old, &urgent, &only_web],
+                format!("urgent {} losers=2", id("api")),
+            ),
+            (
+                "an invalid winner is reported, not skipped",
+                Some(&enabled),
+                &web,
+                vec![&old, &broken],
+                "invalid broken InvalidParentID".into(),
+            ),
+        ];
+        for (what, ns_labels, deployment, policies, expected) in cases {
+            assert_eq!(one(ns_labels, deployment, &policies), expected, "{what}");
         }
-        match resolve(&opt_in, "ns", Some(&enabled), &web, [&old, &only_web]) {
-            Resolution::InScope {
-                policy, identity, ..
-            } => {
-                assert_eq!(policy.metadata.name.as_deref(), Some("only-web"));
-                assert_eq!(identity.spiffe_id, "spiffe://example.org/ns/ns/sa/api");
-            }
-            other => panic!("{other:?}"),
-        }
-        assert!(
-            matches!(
-                resolve(&opt_in, "ns", Some(&enabled), &web, [&old, &broken]),
-                Resolution::Invalid {
-                    error: RenderError::ParentId(_),
-                    ..
-                }
-            ),
-            "an invalid oldest policy is reported, not skipped"
+    }
+
+    #[test]
+    fn one_matching_deployment_brings_its_whole_service_account_in() {
+        let enabled = labels(&[("spiffe.io/registrar", "enabled")]);
+        let only_web = mk_policy("only-web", 50, |s| {
+            s.deployment_selector = Some(crate::policy::testing::mk_selector(&[("app", "web")]))
+        });
+        let web = labels(&[("app", "web")]);
+        let worker = labels(&[("app", "worker")]);
+        let resolution = resolve(
+            &OptIn::default(),
+            "ns",
+            Some(&enabled),
+            "api",
+            [&worker, &web],
+            [&only_web],
         );
+        assert!(matches!(resolution, Resolution::InScope { .. }));
+        let alone = resolve(
+            &OptIn::default(),
+            "ns",
+            Some(&enabled),
+            "api",
+            [&worker],
+            [&only_web],
+        );
+        assert!(matches!(alone, Resolution::OutOfScope));
     }
 
     #[test]
@@ -228,10 +284,7 @@ mod tests {
             ));
         let enabled = labels(&[("spiffe.io/registrar", "enabled")]);
         let web = mk_deployment("ns", "web", None, &[]);
-        assert!(matches!(
-            resolve(&OptIn::default(), "ns", Some(&enabled), &web, [&dying]),
-            Resolution::OutOfScope
-        ));
+        assert_eq!(one(Some(&enabled), &web, &[&dying]), "out");
     }
 
     #[test]

@@ -47,8 +47,16 @@ pub enum RenderError {
     SpiffeId(SpiffeIdError),
     #[error(transparent)]
     Ttl(#[from] DurationError),
+    #[error(
+        "spiffeIDTemplate {0:?}: {{namespace}} and {{serviceAccount}} must each appear exactly once, as whole path segments, namespace first (so two workloads never share an ID)"
+    )]
+    TemplateShape(String),
     #[error("dnsNames: {0:?} is not a valid DNS name")]
     DnsName(String),
+    #[error(
+        "dnsNames template {0:?}: placeholders must be whole DNS labels, and {1:?} would add labels of its own"
+    )]
+    DnsLabel(String, String),
     #[error("federatesWith: {0:?} is not a valid trust domain")]
     FederatesWith(String),
 }
@@ -59,9 +67,11 @@ impl RenderError {
         match self {
             RenderError::TrustDomain(_) => "InvalidTrustDomain",
             RenderError::ParentId(_) => "InvalidParentID",
-            RenderError::Placeholder(_) | RenderError::SpiffeId(_) => "InvalidSpiffeIDTemplate",
+            RenderError::Placeholder(_)
+            | RenderError::SpiffeId(_)
+            | RenderError::TemplateShape(_) => "InvalidSpiffeIDTemplate",
             RenderError::Ttl(_) => "InvalidTTL",
-            RenderError::DnsName(_) => "InvalidDNSName",
+            RenderError::DnsName(_) | RenderError::DnsLabel(..) => "InvalidDNSName",
             RenderError::FederatesWith(_) => "InvalidFederatesWith",
         }
     }
@@ -88,6 +98,63 @@ fn fill(template: &str, trust_domain: &str, workload: &Workload) -> Result<Strin
     }
     out.push_str(rest);
     Ok(out)
+}
+
+/// The template shape the CRD enforces (`crd::TEMPLATE_RULE`), checked again for policies
+/// stored before that rule existed: host literal or `{trustDomain}`; path segments literal or
+/// exactly `{namespace}` / `{serviceAccount}`, each of those once, namespace first. Kubernetes
+/// names never contain '/', so each placeholder fills exactly one segment and distinct
+/// (namespace, service account) pairs render distinct IDs.
+pub fn check_template(template: &str) -> Result<(), RenderError> {
+    let bad = || RenderError::TemplateShape(template.to_string());
+    let rest = template.strip_prefix("spiffe://").ok_or_else(bad)?;
+    let mut parts = rest.split('/');
+    let host = parts.next().unwrap_or_default();
+    if host != "{trustDomain}" && (host.is_empty() || host.contains(['{', '}'])) {
+        return Err(bad());
+    }
+    let mut order = Vec::new();
+    for segment in parts {
+        match segment {
+            "{namespace}" | "{serviceAccount}" => order.push(segment),
+            literal if !literal.is_empty() && !literal.contains(['{', '}']) => {}
+            _ => return Err(bad()),
+        }
+    }
+    if order != ["{namespace}", "{serviceAccount}"] {
+        return Err(bad());
+    }
+    Ok(())
+}
+
+/// Renders one DNS name template. Placeholders must be whole labels, and a namespace or
+/// service account must fill exactly one label (service account names may contain dots).
+fn render_dns_name(
+    template: &str,
+    trust_domain: &str,
+    workload: &Workload,
+) -> Result<String, RenderError> {
+    let mut labels = Vec::new();
+    for label in template.split('.') {
+        let value = match label {
+            "{trustDomain}" => trust_domain,
+            "{namespace}" => workload.namespace,
+            "{serviceAccount}" => workload.service_account,
+            literal if literal.contains(['{', '}']) => {
+                return Err(RenderError::DnsLabel(template.into(), literal.into()));
+            }
+            literal => literal,
+        };
+        if label != "{trustDomain}" && value.contains('.') {
+            return Err(RenderError::DnsLabel(template.into(), value.into()));
+        }
+        labels.push(value);
+    }
+    let name = labels.join(".");
+    if !valid_dns_name(&name) {
+        return Err(RenderError::DnsName(name));
+    }
+    Ok(name)
 }
 
 /// A DNS name as SPIRE accepts it in `dns_names`: ASCII labels, at most one leading `*.`.
@@ -130,6 +197,7 @@ pub fn render(spec: &SpiffeRegistrationSpec, workload: &Workload) -> Result<Iden
         .as_deref()
         .unwrap_or(DEFAULT_SPIFFE_ID_TEMPLATE);
     let spiffe_id = fill(template, td, workload)?;
+    check_template(template)?;
     check(&spiffe_id, td, true).map_err(RenderError::SpiffeId)?;
     let x509_svid_ttl = spec
         .ttl
@@ -145,11 +213,7 @@ pub fn render(spec: &SpiffeRegistrationSpec, workload: &Workload) -> Result<Iden
         .unwrap_or(0);
     let mut dns_names = Vec::with_capacity(spec.dns_names.len());
     for template in &spec.dns_names {
-        let name = fill(template, td, workload)?;
-        if !valid_dns_name(&name) {
-            return Err(RenderError::DnsName(name));
-        }
-        dns_names.push(name);
+        dns_names.push(render_dns_name(template, td, workload)?);
     }
     dns_names.sort();
     dns_names.dedup();
@@ -253,6 +317,33 @@ mod tests {
                 "InvalidTTL",
             ),
             (
+                "namespace not a whole segment",
+                |s| {
+                    s.spiffe_id_template =
+                        Some("spiffe://{trustDomain}/ns-{namespace}/{serviceAccount}".into())
+                },
+                "InvalidSpiffeIDTemplate",
+            ),
+            (
+                "service account missing",
+                |s| s.spiffe_id_template = Some("spiffe://{trustDomain}/ns/{namespace}".into()),
+                "InvalidSpiffeIDTemplate",
+            ),
+            (
+                "namespace twice",
+                |s| {
+                    s.spiffe_id_template = Some(
+                        "spiffe://{trustDomain}/{namespace}/{serviceAccount}/{namespace}".into(),
+                    )
+                },
+                "InvalidSpiffeIDTemplate",
+            ),
+            (
+                "placeholder inside a DNS label",
+                |s| s.dns_names = vec!["api-{namespace}.svc".into()],
+                "InvalidDNSName",
+            ),
+            (
                 "dns name",
                 |s| s.dns_names = vec!["bad_name.{namespace}".into()],
                 "InvalidDNSName",
@@ -299,6 +390,39 @@ mod tests {
             vec!["a.org".to_string(), "z.org".to_string()]
         );
         assert_eq!(id.jwt_svid_ttl, 300);
+    }
+
+    #[test]
+    fn a_dotted_service_account_cannot_add_dns_labels() {
+        let mut spec = mk_spec();
+        spec.dns_names = vec!["{serviceAccount}.{namespace}.svc".into()];
+        let wl = Workload {
+            namespace: "payments",
+            service_account: "evil.example.com",
+        };
+        assert!(matches!(render(&spec, &wl), Err(RenderError::DnsLabel(..))));
+        // The SPIFFE ID itself takes the dotted name as one segment.
+        assert!(render(&mk_spec(), &wl).is_ok());
+    }
+
+    #[test]
+    fn the_rust_template_check_matches_the_crd_rule_on_samples() {
+        for good in [
+            "spiffe://{trustDomain}/ns/{namespace}/sa/{serviceAccount}",
+            "spiffe://example.org/{namespace}/{serviceAccount}",
+            "spiffe://{trustDomain}/k8s/{namespace}/x/{serviceAccount}/workload",
+        ] {
+            assert!(check_template(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "spiffe://{trustDomain}/{serviceAccount}/{namespace}",
+            "spiffe://{trustDomain}/{namespace}{serviceAccount}",
+            "spiffe://{trustDomain}/ns/{namespace}.x/{serviceAccount}",
+            "spiffe://{trustDomain}/{trustDomain}/{namespace}/{serviceAccount}",
+            "http://{trustDomain}/{namespace}/{serviceAccount}",
+        ] {
+            assert!(check_template(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

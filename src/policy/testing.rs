@@ -13,6 +13,7 @@ pub fn mk_spec() -> SpiffeRegistrationSpec {
         jwt_ttl: None,
         namespace_selector: None,
         deployment_selector: None,
+        priority: None,
         spiffe_id_template: None,
         dns_names: vec![],
         federates_with: vec![],
@@ -86,4 +87,15 @@ pub fn mk_entry(ownership: &crate::spire::Ownership, sa: &str, ttl: i32) -> crat
         ..Entry::default()
     }
     .normalize()
+}
+
+/// A selector matching these labels exactly.
+pub fn mk_selector(labels: &[(&str, &str)]) -> super::crd::PolicySelector {
+    super::crd::PolicySelector {
+        match_labels: labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        match_expressions: Vec::new(),
+    }
 }

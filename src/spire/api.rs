@@ -63,6 +63,8 @@ pub trait EntryApi: Send + Sync + 'static {
     fn create(&self, entries: Vec<Entry>) -> impl Future<Output = Vec<EntryResult>> + Send;
     /// Updates the mutable fields (TTLs, DNS names, federatesWith, hint) of entries by ID.
     fn update(&self, entries: Vec<Entry>) -> impl Future<Output = Vec<EntryResult>> + Send;
-    /// Deletes entries by ID. Absent entries count as deleted; IDs that are not ours are refused.
-    fn delete(&self, ids: Vec<String>) -> impl Future<Output = Vec<DeleteResult>> + Send;
+    /// Deletes entries (by ID) as last listed. Absent entries count as deleted; entries that
+    /// are not ours (`Ownership::is_ours`: ID prefix and hint, as SPIRE reported them) are
+    /// refused without a call.
+    fn delete(&self, entries: Vec<Entry>) -> impl Future<Output = Vec<DeleteResult>> + Send;
 }

@@ -241,31 +241,33 @@ fn failed_items<'a, T>(
 impl EntryApi for GrpcEntryClient {
     async fn list_ours(&self) -> Result<Vec<Entry>, SpireError> {
         let mut entries = Vec::new();
-        let mut page_token = String::new();
-        loop {
-            let request = pb::ListEntriesRequest {
-                filter: Some(pb::list_entries_request::Filter {
-                    by_hint: Some(self.ownership.hint().to_string()),
-                    ..Default::default()
-                }),
-                output_mask: Some(output_mask()),
-                page_size: self.settings.page_size.max(1),
-                page_token: page_token.clone(),
-            };
-            let page = self
-                .call("list", request, |mut c, r| async move {
-                    c.list_entries(r).await
-                })
-                .await?;
-            entries.extend(
-                page.entries
-                    .into_iter()
-                    .map(super::convert::entry_from_proto),
-            );
-            if page.next_page_token.is_empty() {
-                break;
+        for hint in self.ownership.hints() {
+            let mut page_token = String::new();
+            loop {
+                let request = pb::ListEntriesRequest {
+                    filter: Some(pb::list_entries_request::Filter {
+                        by_hint: Some(hint.to_string()),
+                        ..Default::default()
+                    }),
+                    output_mask: Some(output_mask()),
+                    page_size: self.settings.page_size.max(1),
+                    page_token: page_token.clone(),
+                };
+                let page = self
+                    .call("list", request, |mut c, r| async move {
+                        c.list_entries(r).await
+                    })
+                    .await?;
+                entries.extend(
+                    page.entries
+                        .into_iter()
+                        .map(super::convert::entry_from_proto),
+                );
+                if page.next_page_token.is_empty() {
+                    break;
+                }
+                page_token = page.next_page_token;
             }
-            page_token = page.next_page_token;
         }
         let listed = entries.len();
         // The hint filter is the server's word; the ID prefix is ours. Both must agree.
@@ -302,12 +304,17 @@ impl EntryApi for GrpcEntryClient {
         results
     }
 
-    async fn delete(&self, ids: Vec<String>) -> Vec<DeleteResult> {
-        // Never send a delete for an ID that is not ours, whatever the caller computed.
-        let (ours, foreign): (IndexedIds, IndexedIds) = ids
-            .into_iter()
-            .enumerate()
-            .partition(|(_, id)| self.ownership.id_is_ours(id));
+    async fn delete(&self, entries: Vec<Entry>) -> Vec<DeleteResult> {
+        // Never send a delete for an entry that is not ours, whatever the caller computed.
+        let (mut ours, mut foreign): (IndexedIds, IndexedIds) = (Vec::new(), Vec::new());
+        for (index, entry) in entries.into_iter().enumerate() {
+            let side = if self.ownership.is_ours(&entry) {
+                &mut ours
+            } else {
+                &mut foreign
+            };
+            side.push((index, entry.id));
+        }
         let mut results: Vec<Option<DeleteResult>> = vec![None; ours.len() + foreign.len()];
         for (index, id) in foreign {
             warn!(entry_id = %id, "refusing to delete an entry that is not ours");

@@ -141,12 +141,14 @@ impl EntryApi for MemoryEntryApi {
             .collect()
     }
 
-    async fn delete(&self, ids: Vec<String>) -> Vec<DeleteResult> {
+    async fn delete(&self, entries: Vec<Entry>) -> Vec<DeleteResult> {
         let down = self.down.load(Ordering::SeqCst);
         let mut stored = self.entries.lock().expect("lock");
-        ids.into_iter()
-            .map(|id| {
-                if !self.ownership.id_is_ours(&id) {
+        entries
+            .into_iter()
+            .map(|entry| {
+                let id = entry.id.clone();
+                if !self.ownership.is_ours(&entry) {
                     return Err(ItemError::NotOurs { id });
                 }
                 if down {
@@ -208,7 +210,12 @@ mod tests {
             "foreign entries are not listed"
         );
         assert_eq!(
-            api.delete(vec!["foreign".into()]).await,
+            api.delete(vec![Entry {
+                id: "foreign".into(),
+                hint: String::new(),
+                ..ours(&o, "f")
+            }])
+            .await,
             vec![Err(ItemError::NotOurs {
                 id: "foreign".into()
             })]
@@ -216,10 +223,10 @@ mod tests {
         assert_eq!(api.all().len(), 2);
         api.set_down(true);
         assert!(api.list_ours().await.is_err());
-        assert!(api.delete(vec![a.id.clone()]).await[0].is_err());
+        assert!(api.delete(vec![a.clone()]).await[0].is_err());
         api.set_down(false);
         assert_eq!(
-            api.delete(vec![a.id.clone(), a.id.clone()]).await,
+            api.delete(vec![a.clone(), a.clone()]).await,
             vec![Ok(a.id.clone()), Ok(a.id.clone())]
         );
     }

@@ -8,6 +8,13 @@
 //! (SPIFFE ID, parent ID, selector set), so a crash between creating an entry and recording it
 //! can never yield a duplicate: the retry asks for the same ID and gets AlreadyExists.
 //! An entry is ours only if both the ID prefix and the hint say so; we never delete anything else.
+//!
+//! Two ways an entry with another ID becomes ours, both explicit:
+//! - **adoption** (`--adopt-equivalent-entries`): SPIRE refuses a second entry with the same
+//!   (SPIFFE ID, parent ID, selectors), so an equivalent entry written by another tool is taken
+//!   over in place by setting its hint to `spiffe-registrar/<cluster>/adopted`. Its ID stays.
+//! - **rename** (`--previous-cluster-name`): entries named `sreg.<old>.…` with the old hint
+//!   are recognised, kept in place while needed (re-hinted as adopted) and deleted when not.
 
 use super::types::{Entry, Selector};
 use sha2::{Digest, Sha256};
@@ -23,12 +30,28 @@ const HINT_PREFIX: &str = "spiffe-registrar/";
 )]
 pub struct InvalidClusterName(pub String);
 
+/// The default cluster name: `k-` and the first 12 hex digits of the kube-system namespace's
+/// UID, which is unique per cluster and stable for its life. Two clusters sharing a SPIRE
+/// server with default settings therefore never touch each other's entries.
+pub fn derived_cluster_name(kube_system_uid: &str) -> String {
+    let hex: String = kube_system_uid
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .map(|c| c.to_ascii_lowercase())
+        .take(12)
+        .collect();
+    format!("k-{hex}")
+}
+
 /// Names and recognises the entries of one registrar deployment (one cluster).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Ownership {
     cluster: String,
     id_prefix: String,
     hint: String,
+    adopted_hint: String,
+    /// (ID prefix, hint) of earlier cluster names whose entries migrate to this one.
+    previous: Vec<(String, String)>,
 }
 
 impl Ownership {
@@ -49,7 +72,37 @@ impl Ownership {
             cluster: cluster.to_string(),
             id_prefix: format!("{ID_PREFIX}.{cluster}."),
             hint: format!("{HINT_PREFIX}{cluster}"),
+            adopted_hint: format!("{HINT_PREFIX}{cluster}/adopted"),
+            previous: Vec::new(),
         })
+    }
+
+    /// Also recognises the entries written under earlier cluster names (a rename).
+    pub fn with_previous(mut self, names: &[String]) -> Result<Self, InvalidClusterName> {
+        for name in names {
+            let old = Ownership::new(name)?;
+            if old.cluster != self.cluster {
+                self.previous.push((old.id_prefix, old.hint));
+            }
+        }
+        Ok(self)
+    }
+
+    /// Every hint our entries may carry: what to list.
+    pub fn hints(&self) -> Vec<&str> {
+        let mut hints = vec![self.hint.as_str(), self.adopted_hint.as_str()];
+        hints.extend(self.previous.iter().map(|(_, hint)| hint.as_str()));
+        hints
+    }
+
+    /// The hint an entry of ours with this ID must carry: ours for our deterministic IDs, the
+    /// adopted hint for any other ID we took over.
+    pub fn hint_for(&self, id: &str) -> &str {
+        if self.id_is_ours(id) {
+            &self.hint
+        } else {
+            &self.adopted_hint
+        }
     }
 
     pub fn cluster(&self) -> &str {
@@ -79,9 +132,15 @@ impl Ownership {
         format!("{}{}", self.id_prefix, &hex[..HASH_HEX_LEN])
     }
 
-    /// True only when the ID has our prefix *and* the hint is ours.
+    /// True when the ID has our prefix *and* the hint is ours; or the entry carries our
+    /// adopted hint (only we write it); or prefix and hint are those of a previous name.
     pub fn is_ours(&self, entry: &Entry) -> bool {
-        self.id_is_ours(&entry.id) && entry.hint == self.hint
+        (self.id_is_ours(&entry.id) && entry.hint == self.hint)
+            || entry.hint == self.adopted_hint
+            || self
+                .previous
+                .iter()
+                .any(|(prefix, hint)| entry.id.starts_with(prefix) && entry.hint == *hint)
     }
 
     /// The ID half of `is_ours`, for deletes where only IDs are at hand.
@@ -176,6 +235,45 @@ mod tests {
             }),
             "a cluster whose name is a prefix of ours does not own our entries"
         );
+    }
+
+    #[test]
+    fn adopted_and_previous_names_are_ours_and_nothing_else() {
+        let o = ownership()
+            .with_previous(&["default".to_string()])
+            .expect("valid");
+        let adopted = Entry {
+            id: "0b0e3f9a-uuid".into(),
+            hint: "spiffe-registrar/prod-eu1/adopted".into(),
+            ..Entry::default()
+        };
+        assert!(o.is_ours(&adopted));
+        assert_eq!(o.hint_for(&adopted.id), adopted.hint);
+        let old = Ownership::new("default").expect("valid");
+        let legacy = Entry {
+            id: old.entry_id("spiffe://td/x", "spiffe://td/p", &[]),
+            hint: old.hint().into(),
+            ..Entry::default()
+        };
+        assert!(o.is_ours(&legacy));
+        assert!(!ownership().is_ours(&legacy), "not without the flag");
+        assert!(
+            !o.is_ours(&Entry {
+                hint: "spiffe-registrar/default/adopted".into(),
+                ..adopted
+            }),
+            "another cluster's adopted entries are not ours"
+        );
+        assert_eq!(o.hints().len(), 3);
+    }
+
+    #[test]
+    fn derived_names_are_valid_and_distinct() {
+        let a = derived_cluster_name("3f2a9b1c-4d5e-6f70-8192-a3b4c5d6e7f8");
+        let b = derived_cluster_name("9a2a9b1c-4d5e-6f70-8192-a3b4c5d6e7f8");
+        assert_eq!(a, "k-3f2a9b1c4d5e");
+        assert_ne!(a, b);
+        assert!(Ownership::new(&a).is_ok());
     }
 
     #[test]

@@ -11,5 +11,4 @@ pub mod review;
 pub mod router;
 pub mod tls;
 
-pub use review::PolicyView;
 pub use router::{WebhookState, router};

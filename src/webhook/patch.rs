@@ -1,9 +1,9 @@
 //! The mutation itself, as a pure function: which JSON Patch operations make a Deployment carry
 //! our finalizer and the SPIFFE ID annotation. No I/O, so it is unit-tested exhaustively.
 
-use crate::names::{FINALIZER, SPIFFE_ID_ANNOTATION};
+use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
 use json_patch::jsonptr::PointerBuf;
-use json_patch::{AddOperation, PatchOperation};
+use json_patch::{AddOperation, PatchOperation, RemoveOperation};
 use kube::api::ObjectMeta;
 use serde_json::Value;
 
@@ -39,6 +39,42 @@ pub fn stamp(meta: &ObjectMeta, spiffe_id: &str) -> Vec<PatchOperation> {
         Some(_) => {}
     }
     ops
+}
+
+/// An operation that undoes a user-written `entry-id`, and the warning that says so.
+pub struct EntryIdFix {
+    pub operation: PatchOperation,
+    pub warning: String,
+}
+
+/// Keeps `entry-id` to what the controller may have written: unchanged from `old`, removed,
+/// or the `computed` ID of the entry policy gives this Deployment. Anything else is restored
+/// to `old` (or removed), so a value copied from another Deployment never sticks.
+pub fn guard_entry_id(
+    meta: &ObjectMeta,
+    old: Option<&str>,
+    computed: Option<&str>,
+) -> Option<EntryIdFix> {
+    let written = meta.annotations.as_ref()?.get(ENTRY_ID_ANNOTATION)?;
+    if Some(written.as_str()) == old || Some(written.as_str()) == computed {
+        return None;
+    }
+    let path = ["metadata", "annotations", ENTRY_ID_ANNOTATION];
+    let (operation, what) = match old {
+        Some(old) => (add(&path, Value::from(old)), format!("restored {old:?}")),
+        None => (
+            PatchOperation::Remove(RemoveOperation {
+                path: PointerBuf::from_tokens(path),
+            }),
+            "removed it".to_string(),
+        ),
+    };
+    Some(EntryIdFix {
+        operation,
+        warning: format!(
+            "{ENTRY_ID_ANNOTATION} is written by the registrar; {written:?} is not this Deployment's entry, so the webhook {what}"
+        ),
+    })
 }
 
 /// An `add` at the path made of `tokens` (each escaped: `/` → `~1`, `~` → `~0`).
@@ -110,6 +146,31 @@ mod tests {
             patched["metadata"]["finalizers"],
             serde_json::json!([FINALIZER]),
             "no duplicate finalizer"
+        );
+    }
+
+    #[test]
+    fn a_forged_entry_id_is_restored_or_removed_and_the_computed_one_kept() {
+        let object = serde_json::json!({ "metadata": {
+            "annotations": { ENTRY_ID_ANNOTATION: "sreg.c.someone-elses" }
+        }});
+        let m = meta(&object);
+        let restored = guard_entry_id(&m, Some("sreg.c.mine"), Some("sreg.c.mine")).expect("fix");
+        let patched = apply(object.clone(), vec![restored.operation]);
+        assert_eq!(
+            patched["metadata"]["annotations"][ENTRY_ID_ANNOTATION],
+            "sreg.c.mine"
+        );
+        let removed = guard_entry_id(&m, None, Some("sreg.c.mine")).expect("fix");
+        let patched = apply(object, vec![removed.operation]);
+        assert_eq!(patched["metadata"]["annotations"], serde_json::json!({}));
+        assert!(
+            guard_entry_id(&m, Some("sreg.c.someone-elses"), None).is_none(),
+            "unchanged"
+        );
+        assert!(
+            guard_entry_id(&m, None, Some("sreg.c.someone-elses")).is_none(),
+            "computed"
         );
     }
 

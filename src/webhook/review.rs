@@ -1,24 +1,17 @@
 //! AdmissionReview in, AdmissionReview out. Decides from the in-memory view only (no API call
 //! on the request path), so dry-run requests are answered exactly like real ones.
 
-use super::patch::stamp;
-use crate::names::SPIFFE_ID_ANNOTATION;
-use crate::policy::{OptIn, Resolution, SpiffeRegistration, resolve};
+use super::patch::{guard_entry_id, stamp};
+use crate::controller::desired::entry_for;
+use crate::index::PolicyView;
+use crate::names::{ENTRY_ID_ANNOTATION, SPIFFE_ID_ANNOTATION};
+use crate::policy::{Resolution, labels_of, resolve, service_account_of};
 use base64::Engine;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionReview, Operation};
 use serde_json::{Value, json};
-use std::collections::BTreeMap;
 use std::sync::Arc;
-
-/// What the webhook reads: the caches of Namespaces and policies.
-pub trait PolicyView: Send + Sync {
-    fn opt_in(&self) -> &OptIn;
-    /// Labels of a namespace, `None` when it is not (yet) known.
-    fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>>;
-    fn policies(&self) -> Vec<Arc<SpiffeRegistration>>;
-}
 
 /// A body we cannot answer with a review: the caller gets HTTP 400 and this message.
 #[derive(Debug, thiserror::Error)]
@@ -70,7 +63,13 @@ fn operation_label(operation: &Operation) -> &'static str {
     }
 }
 
-pub fn answer(body: &[u8], view: &dyn PolicyView) -> Result<Answer, ReviewError> {
+/// Answers one review. `registrar_user` is the registrar's own Kubernetes username: only it
+/// may set `entry-id` to anything but the ID policy computes.
+pub fn answer(
+    body: &[u8],
+    view: &dyn PolicyView,
+    registrar_user: Option<&str>,
+) -> Result<Answer, ReviewError> {
     let value: Value = serde_json::from_slice(body).map_err(ReviewError::NotJson)?;
     let api_version = value
         .get("apiVersion")
@@ -95,7 +94,7 @@ pub fn answer(body: &[u8], view: &dyn PolicyView) -> Result<Answer, ReviewError>
                 ReviewError::Malformed(e.to_string())
             })?;
     let operation = operation_label(&request.operation);
-    let (outcome, patch, warnings) = decide(&request, view);
+    let (outcome, patch, warnings) = decide(&request, view, registrar_user);
     let mut response = json!({ "uid": request.uid, "allowed": true });
     if !patch.is_empty() {
         let encoded = serde_json::to_vec(&patch).expect("JSON Patch operations must serialize");
@@ -117,6 +116,7 @@ pub fn answer(body: &[u8], view: &dyn PolicyView) -> Result<Answer, ReviewError>
 fn decide(
     request: &AdmissionRequest<DynamicObject>,
     view: &dyn PolicyView,
+    registrar_user: Option<&str>,
 ) -> (Outcome, Vec<json_patch::PatchOperation>, Vec<String>) {
     let skipped = (Outcome::Skipped, Vec::new(), Vec::new());
     let is_deployment = request.kind.group == "apps"
@@ -128,9 +128,10 @@ fn decide(
     let Some(object) = &request.object else {
         return skipped;
     };
-    let Ok(deployment) =
+    let as_deployment = |object: &DynamicObject| {
         serde_json::to_value(object).and_then(serde_json::from_value::<Deployment>)
-    else {
+    };
+    let Ok(deployment) = as_deployment(object) else {
         tracing::warn!(namespace = ?request.namespace, name = %request.name, "admitted object is not a valid apps/v1 Deployment; leaving it unchanged");
         return skipped;
     };
@@ -145,21 +146,53 @@ fn decide(
         .unwrap_or_default();
     let labels = view.namespace_labels(&namespace);
     let policies = view.policies();
+    let service_account = service_account_of(&deployment);
+    let siblings = view.sibling_labels(&namespace, service_account, &request.name);
     let resolution = resolve(
         view.opt_in(),
         &namespace,
         labels.as_ref(),
-        &deployment,
+        service_account,
+        std::iter::once(labels_of(&deployment)).chain(siblings.iter()),
         policies.iter().map(Arc::as_ref),
     );
-    let Resolution::InScope { identity, .. } = resolution else {
-        return skipped;
+    let identity = match &resolution {
+        Resolution::InScope { identity, .. } => Some(identity),
+        _ => None,
     };
-    let ops = stamp(&deployment.metadata, &identity.spiffe_id);
+    // `entry-id` is ours to write: a user may remove it, or set the one value policy computes,
+    // but never point it at another entry (it pins nothing anyway: see controller::decide).
+    let old_entry_id = request
+        .old_object
+        .as_ref()
+        .and_then(|old| as_deployment(old).ok())
+        .and_then(|old| old.metadata.annotations?.get(ENTRY_ID_ANNOTATION).cloned());
+    let computed = identity.map(|i| entry_for(view.ownership(), i).id);
+    let by_registrar =
+        registrar_user.is_some_and(|me| request.user_info.username.as_deref() == Some(me));
+    let mut warnings = Vec::new();
+    let mut ops = Vec::new();
+    if !by_registrar
+        && let Some(fix) = guard_entry_id(
+            &deployment.metadata,
+            old_entry_id.as_deref(),
+            computed.as_deref(),
+        )
+    {
+        warnings.push(fix.warning);
+        ops.push(fix.operation);
+    }
+    let Some(identity) = identity else {
+        return if ops.is_empty() {
+            skipped
+        } else {
+            (Outcome::Patched, ops, warnings)
+        };
+    };
+    ops.extend(stamp(&deployment.metadata, &identity.spiffe_id));
     if ops.is_empty() {
         return (Outcome::Unchanged, ops, Vec::new());
     }
-    let mut warnings = Vec::new();
     let user_value = deployment
         .metadata
         .annotations

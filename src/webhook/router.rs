@@ -2,7 +2,8 @@
 //! timeout; malformed bodies get a 400 with the reason, never a panic or a hang.
 
 use super::metrics::WebhookMetrics;
-use super::review::{PolicyView, answer};
+use super::review::answer;
+use crate::index::PolicyView;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
@@ -21,6 +22,9 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct WebhookState {
     pub view: Arc<dyn PolicyView>,
     pub metrics: WebhookMetrics,
+    /// The registrar's own Kubernetes username (from a SelfSubjectReview at start-up): its
+    /// `entry-id` writes pass the webhook unchanged.
+    pub registrar_user: Option<Arc<str>>,
 }
 
 pub fn router(state: WebhookState) -> Router {
@@ -36,7 +40,7 @@ pub fn router(state: WebhookState) -> Router {
 
 async fn mutate(State(state): State<WebhookState>, body: Bytes) -> Response {
     let started = Instant::now();
-    match answer(&body, state.view.as_ref()) {
+    match answer(&body, state.view.as_ref(), state.registrar_user.as_deref()) {
         Ok(answer) => {
             state
                 .metrics

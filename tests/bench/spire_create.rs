@@ -63,7 +63,7 @@ async fn main() {
             SpireMetrics::unregistered(),
         );
         let wanted: Vec<Entry> = (0..entries).map(|i| entry(&ownership, run, i)).collect();
-        let ids: Vec<String> = wanted.iter().map(|e| e.id.clone()).collect();
+        let doomed = wanted.clone();
 
         let started = Instant::now();
         let created = client.create(wanted).await;
@@ -72,7 +72,7 @@ async fn main() {
         assert_eq!(failures, 0, "batch {batch}: {failures} creates failed");
 
         let started = Instant::now();
-        let deleted = client.delete(ids).await;
+        let deleted = client.delete(doomed).await;
         let delete_secs = started.elapsed().as_secs_f64();
         assert!(
             deleted.iter().all(Result::is_ok),

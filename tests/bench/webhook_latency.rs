@@ -26,18 +26,26 @@ use spiffe_registrar::certs::generate::{new_ca, new_serving};
 use spiffe_registrar::policy::{OptIn, SpiffeRegistration};
 use spiffe_registrar::webhook::metrics::WebhookMetrics;
 use spiffe_registrar::webhook::tls::{ReloadableCert, serve, server_config};
-use spiffe_registrar::webhook::{PolicyView, WebhookState, router};
+use spiffe_registrar::index::PolicyView;
+use spiffe_registrar::spire::Ownership;
+use spiffe_registrar::webhook::{WebhookState, router};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const FIXTURE: &str = include_str!("../fixtures/create-deployment.json");
 
-struct View(Vec<Arc<SpiffeRegistration>>, OptIn);
+struct View(Vec<Arc<SpiffeRegistration>>, OptIn, Ownership);
 
 impl PolicyView for View {
     fn opt_in(&self) -> &OptIn {
         &self.1
+    }
+    fn ownership(&self) -> &Ownership {
+        &self.2
+    }
+    fn sibling_labels(&self, _: &str, _: &str, _: &str) -> Vec<BTreeMap<String, String>> {
+        Vec::new()
     }
     fn namespace_labels(&self, _: &str) -> Option<BTreeMap<String, String>> {
         Some(BTreeMap::from([(
@@ -95,8 +103,13 @@ async fn in_process(requests: usize) {
     );
     let registry = prometheus::Registry::new();
     let state = WebhookState {
-        view: Arc::new(View(vec![Arc::new(policy)], OptIn::default())),
+        view: Arc::new(View(
+            vec![Arc::new(policy)],
+            OptIn::default(),
+            Ownership::new("bench").expect("valid"),
+        )),
         metrics: WebhookMetrics::register(&registry).expect("metrics"),
+        registrar_user: None,
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
