@@ -38,6 +38,8 @@ fn registrar_args() -> Vec<String> {
         "--resync-interval=10s".into(),
         "--lease-duration=4s".into(),
         "--spire-rps=0".into(),
+        "--scope-loss-grace=2s".into(),
+        "--transition-grace=2s".into(),
     ]
 }
 
@@ -467,8 +469,8 @@ async fn another_writers_entries_survive_every_gc() {
     .expect("create");
     registered(&api, "web").await;
     let client = s.client.clone();
-    eventually("a RegistrationFailed Event for the clash", WAIT, || async {
-        (!events(&client, &ns, "clashing", "RegistrationFailed")
+    eventually("an EquivalentEntryExists Event for the clash", WAIT, || async {
+        (!events(&client, &ns, "clashing", "EquivalentEntryExists")
             .await
             .is_empty())
         .then_some(())
