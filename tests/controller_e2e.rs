@@ -469,12 +469,16 @@ async fn another_writers_entries_survive_every_gc() {
     .expect("create");
     registered(&api, "web").await;
     let client = s.client.clone();
-    eventually("an EquivalentEntryExists Event for the clash", WAIT, || async {
-        (!events(&client, &ns, "clashing", "EquivalentEntryExists")
-            .await
-            .is_empty())
-        .then_some(())
-    })
+    eventually(
+        "an EquivalentEntryExists Event for the clash",
+        WAIT,
+        || async {
+            (!events(&client, &ns, "clashing", "EquivalentEntryExists")
+                .await
+                .is_empty())
+            .then_some(())
+        },
+    )
     .await;
     api.delete("web", &DeleteParams::default())
         .await

@@ -191,7 +191,13 @@ async fn full_sequence(stack: &Stack, endpoint: SpireEndpoint, cluster: &str) {
     assert_eq!(untouched.x509_svid_ttl, 3600);
 
     // Delete everything; deleting again is still a success (already gone).
-    assert!(client.delete(wanted.clone()).await.iter().all(Result::is_ok));
+    assert!(
+        client
+            .delete(wanted.clone())
+            .await
+            .iter()
+            .all(Result::is_ok)
+    );
     assert!(
         client
             .delete(wanted[..10].to_vec())

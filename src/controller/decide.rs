@@ -76,8 +76,9 @@ pub struct Memory {
     pub foreign: BTreeMap<String, Entry>,
     /// Entry → policy that last rendered it (status counts, after the policy is gone too).
     policy_of: BTreeMap<String, String>,
-    /// Last note announced per Deployment, so an unchanged situation is not re-announced.
-    announced: BTreeMap<DeploymentKey, String>,
+    /// Last note announced per (Deployment, reason), so an unchanged situation is not
+    /// re-announced.
+    announced: BTreeMap<(DeploymentKey, &'static str), String>,
 }
 
 impl Memory {
@@ -92,12 +93,13 @@ impl Memory {
         self.policy_of.get(entry_id).map(String::as_str)
     }
 
-    /// True the first time `note` is announced for `key` (until it changes).
-    fn first_time(&mut self, key: &DeploymentKey, note: &str) -> bool {
-        if self.announced.get(key).map(String::as_str) == Some(note) {
+    /// True the first time `announce` is made for `key` (until its note changes).
+    fn first_time(&mut self, key: &DeploymentKey, announce: &Announce) -> bool {
+        let slot = (key.clone(), announce.reason);
+        if self.announced.get(&slot) == Some(&announce.note) {
             return false;
         }
-        self.announced.insert(key.clone(), note.to_string());
+        self.announced.insert(slot, announce.note.clone());
         true
     }
 }
@@ -461,7 +463,7 @@ impl Announce {
 pub struct WorkloadWrite {
     pub key: DeploymentKey,
     pub change: MetadataChange,
-    pub announce: Option<Announce>,
+    pub announce: Vec<Announce>,
     /// The Deployment gets its entry-id for the first time (metrics).
     pub registered: bool,
 }
@@ -563,8 +565,22 @@ pub fn workload_writes(
                 }
             }
         };
-        let announce = announce.filter(|a| memory.first_time(key, &a.note));
-        if !change.is_empty() || announce.is_some() {
+        let mut announce: Vec<Announce> = announce.into_iter().collect();
+        if !workload.deleting
+            && let Some(account) = account.filter(|a| !a.losers.is_empty())
+            && let SaState::Needs { policy, .. } = &account.state
+        {
+            announce.push(Announce::normal(
+                "PolicyConflict",
+                format!(
+                    "policies {} also match; {policy} governs service account {} (priority, then age, then name)",
+                    account.losers.join(", "),
+                    sa.service_account
+                ),
+            ));
+        }
+        announce.retain(|a| memory.first_time(key, a));
+        if !change.is_empty() || !announce.is_empty() {
             writes.push(WorkloadWrite {
                 key: key.clone(),
                 change,
@@ -575,7 +591,7 @@ pub fn workload_writes(
     }
     memory
         .announced
-        .retain(|key, _| desired.workloads.contains_key(key));
+        .retain(|(key, _), _| desired.workloads.contains_key(key));
     writes
 }
 

@@ -92,6 +92,8 @@ pub struct ServiceAccount {
     pub state: SaState,
     /// Live Deployments running as it (never empty): the ref-count of its entry.
     pub deployments: BTreeSet<DeploymentKey>,
+    /// Other policies matching its Deployments, which do not govern it.
+    pub losers: Vec<String>,
 }
 
 /// One Deployment as the decisions see it.
@@ -247,6 +249,7 @@ pub fn compute(
             policies.iter().map(Arc::as_ref),
         );
         let keys: BTreeSet<DeploymentKey> = members.into_iter().map(|(k, _)| k).collect();
+        let mut loser_names = Vec::new();
         let state = match resolution {
             Resolution::OutOfScope => SaState::OutOfScope,
             Resolution::Invalid { policy, error } => SaState::Invalid {
@@ -260,6 +263,7 @@ pub fn compute(
                 losers,
             } => {
                 for loser in losers {
+                    loser_names.push(loser.name_any());
                     desired
                         .conflicts
                         .entry(loser.name_any())
@@ -277,6 +281,7 @@ pub fn compute(
             ServiceAccount {
                 state,
                 deployments: keys,
+                losers: loser_names,
             },
         );
     }
@@ -456,6 +461,7 @@ mod tests {
                         },
                     },
                     deployments: BTreeSet::new(),
+                    losers: Vec::new(),
                 },
             );
         }

@@ -127,7 +127,7 @@ pub async fn write_workload(
     recorder: &Recorder,
     deployment: Arc<Deployment>,
     change: MetadataChange,
-    announce: Option<(bool, &'static str, String)>,
+    announce: Vec<super::decide::Announce>,
 ) -> bool {
     if !change.is_empty() {
         match patch_metadata(client, &deployment, &change).await {
@@ -135,13 +135,20 @@ pub async fn write_workload(
             Err(kube::Error::Api(status)) if status.code == 404 => return false,
             Err(error) => {
                 let key = super::desired::key_of(&deployment);
-                tracing::debug!(deployment = %key.name, namespace = %key.namespace, %error, "patch failed (stale cache?); will retry");
+                tracing::warn!(deployment = %key.name, namespace = %key.namespace, %error, "patch failed (stale cache?); will retry");
                 return true;
             }
         }
     }
-    if let Some((warning, reason, note)) = announce {
-        event(recorder, deployment.as_ref(), warning, reason, note).await;
+    for announce in announce {
+        event(
+            recorder,
+            deployment.as_ref(),
+            announce.warning,
+            announce.reason,
+            announce.note,
+        )
+        .await;
     }
     false
 }

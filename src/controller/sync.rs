@@ -370,21 +370,22 @@ impl<A: EntryApi> Controller<A> {
                         .observe(age.as_secs_f64().max(0.0));
                 }
             }
-            if let Some(announce) = &write.announce
-                && announce.reason == "RegistrationFailed"
+            if write
+                .announce
+                .iter()
+                .any(|a| a.reason == "RegistrationFailed")
             {
                 self.metrics
                     .errors
                     .with_label_values(&[&write.key.namespace])
                     .inc();
             }
-            let announce = write.announce.map(|a| (a.warning, a.reason, a.note));
             jobs.push(write_workload(
                 &self.client,
                 &self.recorder,
                 (*deployment).clone(),
                 write.change,
-                announce,
+                write.announce,
             ));
         }
         futures::stream::iter(jobs)
@@ -446,6 +447,15 @@ impl<A: EntryApi> Controller<A> {
                     format!(
                         "SPIRE rejected {} entries of this policy (previous entries are kept); first: {first}",
                         rejected.len()
+                    ),
+                ));
+            }
+            if let Some(matched) = desired.conflicts.get(&name) {
+                events.push((
+                    "Overridden",
+                    format!(
+                        "{} Deployments match this policy, but another policy governs their service accounts (higher priority, or older)",
+                        matched.len()
                     ),
                 ));
             }

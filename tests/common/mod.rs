@@ -17,7 +17,9 @@ pub mod kube_plane;
 pub mod paths;
 pub mod process;
 pub mod registrar;
+pub mod sampler;
 pub mod spire;
 pub mod stack;
+pub mod world;
 
 pub use stack::Stack;

@@ -38,6 +38,7 @@ pub struct Options<'a> {
     /// Namespace of its Secret (and Lease); must exist.
     pub namespace: &'a str,
     pub webhook_configuration: &'a str,
+    /// Empty: none given, the registrar derives one from the cluster.
     pub cluster_name: &'a str,
     /// Log name, unique per registrar in a test.
     pub name: &'a str,
@@ -61,7 +62,13 @@ impl Registrar {
         Self::start_full(stack, free_port(), kubeconfig, options)
     }
 
-    fn start_full(stack: &Stack, webhook_port: u16, kubeconfig: &Path, options: Options) -> Self {
+    /// Full control: webhook port and credentials (e.g. another cluster's kubeconfig).
+    pub fn start_full(
+        stack: &Stack,
+        webhook_port: u16,
+        kubeconfig: &Path,
+        options: Options,
+    ) -> Self {
         let admin_port = free_port();
         let mut command = Command::new(binary());
         command
@@ -69,7 +76,10 @@ impl Registrar {
             .env("RUST_LOG", "info,spiffe_registrar=debug")
             .env_remove("HOSTNAME")
             .arg("run")
-            .arg(format!("--cluster-name={}", options.cluster_name))
+            .args(
+                (!options.cluster_name.is_empty())
+                    .then(|| format!("--cluster-name={}", options.cluster_name)),
+            )
             .arg(format!("--namespace={}", options.namespace))
             .arg(format!(
                 "--webhook-configuration={}",

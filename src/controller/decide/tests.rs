@@ -87,6 +87,7 @@ impl World {
             ServiceAccount {
                 state,
                 deployments: deployments.iter().map(|n| dk(ns, n)).collect(),
+                losers: Vec::new(),
             },
         );
     }
@@ -265,7 +266,7 @@ fn a_rejected_replacement_keeps_the_old_entry_and_is_not_resent() {
     }
     let plan = w.decide(2);
     let writes = w.writes(&plan, &Failures::new());
-    let announce = writes[0].announce.as_ref().expect("announced");
+    let announce = writes[0].announce.first().expect("announced");
     assert_eq!(announce.reason, "RegistrationFailed");
     assert!(announce.note.contains("trust domain mismatch"));
 }
@@ -414,10 +415,7 @@ fn the_brake_holds_mass_scope_loss_until_confirmed() {
     let lost_writes: Vec<_> = writes.iter().filter(|x| x.key.namespace == "a").collect();
     assert_eq!(lost_writes.len(), 5);
     assert!(lost_writes.iter().all(|x| {
-        x.change.is_empty()
-            && x.announce
-                .as_ref()
-                .is_some_and(|a| a.note.contains("confirmation"))
+        x.change.is_empty() && x.announce.iter().any(|a| a.note.contains("confirmation"))
     }));
 
     w.confirmed = Some(brake.token);
@@ -477,12 +475,12 @@ fn an_equivalent_foreign_entry_is_reported_once_and_not_recreated() {
     assert_eq!(plan.serving[&sa("a", "api")], theirs.id);
     let first = w.writes(&plan, &Failures::new());
     assert_eq!(
-        first[0].announce.as_ref().map(|a| a.reason),
+        first[0].announce.first().map(|a| a.reason),
         Some("EquivalentEntryExists")
     );
     let plan = w.decide(1);
     let again = w.writes(&plan, &Failures::new());
-    assert!(again.iter().all(|w| w.announce.is_none()), "once");
+    assert!(again.iter().all(|w| w.announce.is_empty()), "once");
 }
 
 #[test]
@@ -582,7 +580,7 @@ fn a_deleting_deployment_waits_for_its_entry_and_says_why_when_spire_fails() {
     let writes = w.writes(&plan, &failures);
     assert!(!writes[0].change.remove_finalizer);
     assert_eq!(
-        writes[0].announce.as_ref().map(|a| a.reason),
+        writes[0].announce.first().map(|a| a.reason),
         Some("DeregistrationFailed")
     );
     w.apply(&plan);
@@ -621,7 +619,7 @@ fn an_out_of_scope_deployment_keeps_its_finalizer_until_the_entry_is_gone() {
     let writes = w.writes(&plan, &Failures::new());
     assert!(writes[0].change.is_empty());
     assert_eq!(
-        writes[0].announce.as_ref().map(|a| a.reason),
+        writes[0].announce.first().map(|a| a.reason),
         Some("DeregistrationPending")
     );
     let plan = w.decide(SCOPE);
@@ -667,7 +665,7 @@ fn registration_is_announced_once() {
     assert!(writes[0].registered);
     assert_eq!(writes[0].change.entry_id, Some(Some(e.id.clone())));
     assert_eq!(
-        writes[0].announce.as_ref().map(|a| a.reason),
+        writes[0].announce.first().map(|a| a.reason),
         Some("Registered")
     );
     // The patch landed.
@@ -676,6 +674,29 @@ fn registration_is_announced_once() {
     web.spiffe_id = Some(e.spiffe_id.clone());
     let plan = w.decide(1);
     assert!(w.writes(&plan, &Failures::new()).is_empty());
+}
+
+#[test]
+fn deployments_are_told_which_policy_governs_their_service_account() {
+    let mut w = World::new();
+    let e = w.needs("a", "api", &["web"], "spiffe://td/p");
+    w.in_spire(&e);
+    w.desired
+        .service_accounts
+        .get_mut(&sa("a", "api"))
+        .expect("api")
+        .losers = vec!["other".into()];
+    let plan = w.decide(0);
+    let writes = w.writes(&plan, &Failures::new());
+    let reasons: Vec<&str> = writes[0].announce.iter().map(|a| a.reason).collect();
+    assert_eq!(reasons, vec!["Registered", "PolicyConflict"]);
+    let plan = w.decide(1);
+    assert!(
+        w.writes(&plan, &Failures::new())
+            .iter()
+            .all(|x| x.announce.iter().all(|a| a.reason != "PolicyConflict")),
+        "told once"
+    );
 }
 
 #[test]

@@ -1,0 +1,229 @@
+//! A cluster test's world in a few lines: the CRD and webhook configuration on a control plane,
+//! a policy per test that selects only that test's namespaces, Deployments, and the questions
+//! tests ask of the apiserver (annotations, conditions, Events) and of the registrar (metrics).
+
+use super::k8s::{
+    annotation, create_namespace_with, create_webhook_configuration_excluding, deployment,
+    eventually, install_crd, policy,
+};
+use super::kube_plane::{KubePlane, client_for};
+use super::process::{http_get, run};
+use super::registrar::Registrar;
+use super::stack::{Stack, unique};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{Value, json};
+use spiffe_registrar::names::ENTRY_ID_ANNOTATION;
+use spiffe_registrar::policy::SpiffeRegistration;
+use std::time::Duration;
+
+pub const TD: &str = "example.org";
+/// The registrar's own namespace (Secret, Lease).
+pub const HOME: &str = "registrar-system";
+pub const WEBHOOK_CONFIG: &str = "spiffe-registrar-e2e";
+/// Namespaces with this label are not sent to the webhook (as if it were not installed).
+pub const NO_WEBHOOK: &str = "e2e/no-webhook";
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// CRD, the registrar's namespace and a webhook configuration pointing at `webhook_port`.
+pub fn prepare(kube: &KubePlane, webhook_port: u16) {
+    let kubeconfig = kube.kubeconfig.clone();
+    Stack::block_on_fresh(async move {
+        let client = client_for(&kubeconfig).await;
+        install_crd(&client).await;
+        create_namespace_with(&client, HOME, false, &[]).await;
+        create_webhook_configuration_excluding(
+            &client,
+            WEBHOOK_CONFIG,
+            webhook_port,
+            Some(NO_WEBHOOK),
+        )
+        .await;
+    });
+}
+
+/// One test's world: policies selecting namespaces labelled `e2e/test=<tag>`.
+pub struct Scenario {
+    pub client: Client,
+    pub tag: String,
+    pub kubeconfig: std::path::PathBuf,
+}
+
+impl Scenario {
+    pub async fn new(kube: &KubePlane) -> Self {
+        Self {
+            client: kube.client().await,
+            tag: unique("t"),
+            kubeconfig: kube.kubeconfig.clone(),
+        }
+    }
+
+    /// The parent ID this test's policies use by default.
+    pub fn parent(&self, suffix: &str) -> String {
+        format!("spiffe://{TD}/k8s/{}/{suffix}", self.tag)
+    }
+
+    /// A valid spec selecting this test's namespaces, with parent `parent(suffix)`.
+    pub fn spec(&self, suffix: &str) -> Value {
+        json!({
+            "trustDomain": TD,
+            "parentID": self.parent(suffix),
+            "ttl": "1h",
+            "namespaceSelector": { "matchLabels": { "e2e/test": self.tag } }
+        })
+    }
+
+    /// Creates policy `<tag>-<suffix>` from `spec`; the apiserver's error when it refuses.
+    pub async fn try_policy(&self, suffix: &str, spec: Value) -> Result<String, kube::Error> {
+        let name = format!("{}-{suffix}", self.tag);
+        self.policies()
+            .create(&PostParams::default(), &policy(&name, spec))
+            .await?;
+        Ok(name)
+    }
+
+    pub async fn policy(&self, suffix: &str, spec: Value) -> String {
+        self.try_policy(suffix, spec)
+            .await
+            .expect("the policy must be accepted")
+    }
+
+    pub async fn patch_policy(&self, name: &str, patch: Value) {
+        self.policies()
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .expect("policy patch");
+    }
+
+    /// A new namespace selected by this test's policies (and sent to the webhook if `webhook`).
+    pub async fn namespace(&self, webhook: bool) -> String {
+        let name = unique(&self.tag);
+        let mut labels = vec![("e2e/test", self.tag.as_str())];
+        if !webhook {
+            labels.push((NO_WEBHOOK, "true"));
+        }
+        create_namespace_with(&self.client, &name, true, &labels).await;
+        name
+    }
+
+    pub fn deployments(&self, ns: &str) -> Api<Deployment> {
+        Api::namespaced(self.client.clone(), ns)
+    }
+
+    pub fn policies(&self) -> Api<SpiffeRegistration> {
+        Api::all(self.client.clone())
+    }
+
+    /// Creates Deployment `name` running as `sa` in `ns` and waits for its entry-id.
+    pub async fn registered(&self, ns: &str, name: &str, sa: &str) -> String {
+        self.deployments(ns)
+            .create(&PostParams::default(), &deployment(name, Some(sa)))
+            .await
+            .expect("create");
+        entry_id_of(&self.deployments(ns), name).await
+    }
+
+    /// Waits for condition `type_` of policy `name` to satisfy `pred`.
+    pub async fn condition(
+        &self,
+        name: &str,
+        type_: &str,
+        pred: impl Fn(&Condition) -> bool,
+    ) -> Condition {
+        let what = format!("condition {type_} of {name}");
+        eventually(&what, WAIT, || async {
+            let p = self.policies().get(name).await.ok()?;
+            p.status?
+                .conditions
+                .into_iter()
+                .find(|c| c.type_ == type_ && pred(c))
+        })
+        .await
+    }
+
+    /// Waits for an Event with `reason` about object `name` in `ns` ("default" for policies).
+    pub async fn event(&self, ns: &str, name: &str, reason: &str) -> Event {
+        let what = format!("a {reason} Event on {ns}/{name}");
+        eventually(&what, WAIT, || async {
+            events(&self.client, ns, name, reason)
+                .await
+                .into_iter()
+                .next()
+        })
+        .await
+    }
+
+    /// `kubectl` against this world's apiserver, as `--as` when given; (ok, stdout, stderr).
+    pub fn kubectl(&self, args: &[&str]) -> (bool, String, String) {
+        run(super::kube_plane::kubectl_command(&self.kubeconfig).args(args))
+    }
+}
+
+/// Waits until the Deployment records an entry ID and returns it.
+pub async fn entry_id_of(api: &Api<Deployment>, name: &str) -> String {
+    eventually(&format!("{name} to be registered"), WAIT, || async {
+        let d = api.get(name).await.ok()?;
+        annotation(&d, ENTRY_ID_ANNOTATION).map(str::to_string)
+    })
+    .await
+}
+
+pub async fn gone(api: &Api<Deployment>, name: &str) {
+    eventually(&format!("{name} to be gone"), WAIT, || async {
+        api.get_opt(name).await.ok()?.is_none().then_some(())
+    })
+    .await
+}
+
+pub async fn events(client: &Client, ns: &str, name: &str, reason: &str) -> Vec<Event> {
+    let Ok(list) = Api::<Event>::namespaced(client.clone(), ns)
+        .list(&ListParams::default().fields(&format!("involvedObject.name={name}")))
+        .await
+    else {
+        return Vec::new();
+    };
+    list.items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some(reason))
+        .collect()
+}
+
+impl Registrar {
+    /// The sum of every series of metric `name` whose labels include `labels`.
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let text = http_get(self.admin_port, "/metrics").unwrap_or_default();
+        text.lines()
+            .filter(|line| !line.starts_with('#'))
+            .filter_map(|line| {
+                let (series, value) = line.rsplit_once(' ')?;
+                let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
+                (metric == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\""))))
+                .then(|| value.parse::<f64>().ok())?
+            })
+            .sum()
+    }
+
+    /// SPIRE Entry API calls made so far (every operation, every result).
+    pub fn spire_calls(&self) -> f64 {
+        self.metric("spire_api_call_duration_seconds_count", &[])
+    }
+
+    /// Completed syncs so far.
+    pub fn syncs(&self) -> f64 {
+        self.metric("reconcile_duration_seconds_count", &[])
+    }
+
+    /// Waits until `n` more syncs than `before` have completed.
+    pub async fn wait_syncs(&self, before: f64, n: f64) {
+        eventually("more syncs", WAIT, || async {
+            (self.syncs() >= before + n).then_some(())
+        })
+        .await
+    }
+}
