@@ -111,7 +111,8 @@ async fn manifests_apply_and_their_rbac_is_enough_to_register() {
             Options {
                 namespace: "spiffe-registrar",
                 webhook_configuration: "spiffe-registrar",
-                cluster_name: "manifests",
+                // Derived from kube-system's UID, under the manifests' RBAC.
+                cluster_name: "",
                 name: "registrar",
                 extra_args: vec!["--resync-interval=10s".into()],
                 extra_env: vec![],
@@ -129,6 +130,10 @@ async fn manifests_apply_and_their_rbac_is_enough_to_register() {
         d.metadata.annotations?.get(ENTRY_ID_ANNOTATION).cloned()
     })
     .await;
+    assert!(
+        entry_id.starts_with("sreg.k-"),
+        "cluster name derived from kube-system: {entry_id}"
+    );
     let entries = stack.spire_server.entries(&["-entryID", &entry_id]);
     assert_eq!(entries.len(), 1);
     assert_eq!(entries[0]["spiffe_id"]["path"], "/ns/shop/sa/api");
