@@ -156,7 +156,7 @@ async fn a_parent_change_creates_the_new_entry_before_deleting_the_old() {
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
     let calls = env.registrar.spire_calls();
-    let sampler = Sampler::start(env.socket(), &[who.clone()]).await;
+    let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
 
     s.patch_policy(&p, json!({ "spec": { "parentID": s.parent("v2") } }))
         .await;
@@ -203,7 +203,7 @@ async fn a_rejected_replacement_keeps_the_old_entry_and_says_why() {
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
     let rejected = env.registrar.metric("spire_entries_rejected_total", &[]);
-    let sampler = Sampler::start(env.socket(), &[who.clone()]).await;
+    let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
 
     // A trust domain that is not the server's: the apiserver accepts it, SPIRE refuses.
     let patch = json!({ "spec": {
@@ -309,7 +309,7 @@ async fn selector_typos_fail_at_apply_and_an_invalid_policy_holds_its_entries() 
     let ns = s.namespace(true).await;
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
-    let sampler = Sampler::start(env.socket(), &[who.clone()]).await;
+    let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
     // Passes the CRD's pattern, fails SPIFFE ID rules ('..' segment).
     let broken = format!("spiffe://{TD}/k8s/{}/..", s.tag);
     s.patch_policy(&p, json!({ "spec": { "parentID": broken } }))
@@ -362,7 +362,7 @@ async fn scope_loss_waits_for_its_grace_and_coming_back_costs_nothing() {
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
     let calls = env.registrar.spire_calls();
-    let sampler = Sampler::start(env.socket(), &[who.clone()]).await;
+    let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
 
     set_opt_in(&s, &ns, false).await;
     pending_deletions(&s, &p, 1).await;
@@ -525,7 +525,7 @@ async fn one_service_account_gets_one_entry_under_competing_policies() {
     let ns = s.namespace(true).await;
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
-    let sampler = Sampler::start(env.socket(), &[who.clone()]).await;
+    let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
 
     s.registered(&ns, "cron", "api").await;
     let winner = spire_until(
@@ -545,7 +545,7 @@ async fn one_service_account_gets_one_entry_under_competing_policies() {
     assert_eq!(samples.ids(&who), vec![first, winner[0].id.clone()]);
 
     // Settled: one entry, and nothing flaps between syncs.
-    let sampler = Sampler::start(env.socket(), &[who.clone()]).await;
+    let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
     several_syncs(&env.registrar, &s.deployments(&ns), "web").await;
     let samples = sampler.stop().await;
     assert_eq!(samples.doubled(&who), Duration::ZERO);
@@ -718,7 +718,7 @@ async fn clusters_sharing_spire_keep_apart_and_a_rename_migrates_in_place() {
     );
 
     let theirs = sa(&ns_b, "api");
-    let sampler = Sampler::start(&socket, &[theirs.clone()]).await;
+    let sampler = Sampler::start(&socket, std::slice::from_ref(&theirs)).await;
     a.deployments(&ns_a)
         .delete("web", &DeleteParams::default())
         .await
@@ -736,7 +736,7 @@ async fn clusters_sharing_spire_keep_apart_and_a_rename_migrates_in_place() {
     // Rename A: its entries are taken over in place, never recreated.
     let kept = a.registered(&ns_a, "kept", "kept").await;
     let who = sa(&ns_a, "kept");
-    let sampler = Sampler::start(&socket, &[who.clone()]).await;
+    let sampler = Sampler::start(&socket, std::slice::from_ref(&who)).await;
     tokio::task::block_in_place(|| registrar_a.process.stop(Duration::from_secs(10)));
     let previous = format!("--previous-cluster-name={name_a}");
     registrar_a = start(
@@ -800,7 +800,7 @@ async fn an_equivalent_foreign_entry_is_reported_once_then_adopted_on_opt_in() {
     );
     let foreign = entries(&socket, &who).await;
     assert_eq!(foreign.len(), 1);
-    let sampler = Sampler::start(&socket, &[who.clone()]).await;
+    let sampler = Sampler::start(&socket, std::slice::from_ref(&who)).await;
 
     s.deployments(&ns)
         .create(&PostParams::default(), &deployment("web", Some("api")))

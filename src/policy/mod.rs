@@ -181,6 +181,15 @@ mod tests {
         }
     }
 
+    /// (what, namespace labels, Deployment, policies, expected resolution).
+    type Case<'a> = (
+        &'a str,
+        Option<&'a BTreeMap<String, String>>,
+        &'a Deployment,
+        Vec<&'a SpiffeRegistration>,
+        String,
+    );
+
     #[test]
     fn table_of_resolutions() {
         let enabled = labels(&[("spiffe.io/registrar", "enabled"), ("team", "pay")]);
@@ -197,13 +206,7 @@ mod tests {
         let web = mk_deployment("ns", "web", Some("api"), &[("app", "web")]);
         let db = mk_deployment("ns", "db", None, &[("app", "db")]);
         let id = |sa: &str| format!("spiffe://example.org/ns/ns/sa/{sa}");
-        let cases: Vec<(
-            &str,
-            Option<&BTreeMap<String, String>>,
-            &Deployment,
-            Vec<&SpiffeRegistration>,
-            String,
-        )> = vec![
+        let cases: Vec<Case> = vec![
             (
                 "namespace not opted in",
                 Some(&disabled),
