@@ -4,7 +4,6 @@
 //! cue to re-derive desired state. The webhook reads the same caches; nothing here does I/O on
 //! a request path.
 
-use crate::controller::desired::NamespaceInfo;
 use crate::policy::{OptIn, SpiffeRegistration, service_account_of};
 use crate::spire::Ownership;
 use futures::StreamExt;
@@ -18,6 +17,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
+
+/// What a namespace contributes to decisions: its labels and whether it is being deleted.
+#[derive(Clone, Debug, Default)]
+pub struct NamespaceInfo {
+    pub labels: BTreeMap<String, String>,
+    pub terminating: bool,
+}
 
 /// What the webhook reads: the caches, never the network.
 pub trait PolicyView: Send + Sync {

@@ -141,6 +141,15 @@ async fn several_syncs(registrar: &Registrar, api: &Api<Deployment>, name: &str)
     assert!(registrar.syncs() >= before + 3.0);
 }
 
+/// One line for the closing note: SPIRE calls a transition cost (exact with --test-threads=1;
+/// with parallel tests on the shared registrar, an upper bound).
+fn report_calls(registrar: &Registrar, before: f64, what: &str) {
+    eprintln!(
+        "TRANSITION {what}: SPIRE calls +{}",
+        registrar.spire_calls() - before
+    );
+}
+
 fn cluster_of(entry_id: &str) -> &str {
     entry_id.split('.').nth(1).expect("sreg.<cluster>.<hash>")
 }
@@ -186,10 +195,7 @@ async fn a_parent_change_creates_the_new_entry_before_deleting_the_old() {
     .await;
     assert!(recorded == first || recorded == second);
     assert_eq!(annotated, second);
-    eprintln!(
-        "TRANSITION policy parentID change: SPIRE calls +{}",
-        env.registrar.spire_calls() - calls
-    );
+    report_calls(&env.registrar, calls, "policy parentID change");
 }
 
 // Item 1: a replacement SPIRE rejects never costs the old entry, and is not resent.
@@ -203,6 +209,7 @@ async fn a_rejected_replacement_keeps_the_old_entry_and_says_why() {
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
     let rejected = env.registrar.metric("spire_entries_rejected_total", &[]);
+    let calls = env.registrar.spire_calls();
     let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
 
     // A trust domain that is not the server's: the apiserver accepts it, SPIRE refuses.
@@ -234,6 +241,11 @@ async fn a_rejected_replacement_keeps_the_old_entry_and_says_why() {
     );
     let samples = sampler.stop().await;
     samples.report("rejected replacement", &who);
+    report_calls(
+        &env.registrar,
+        calls,
+        "rejected replacement (incl. 3 poked syncs)",
+    );
     samples.assert_never_missing(&who);
     assert_eq!(samples.ids(&who), vec![first]);
 }
@@ -248,6 +260,7 @@ async fn a_service_account_change_is_make_before_break() {
     let ns = s.namespace(true).await;
     let first = s.registered(&ns, "web", "one").await;
     let (one, two) = (sa(&ns, "one"), sa(&ns, "two"));
+    let calls = env.registrar.spire_calls();
     let sampler = Sampler::start(env.socket(), &[one.clone(), two.clone()]).await;
 
     let patch = json!({ "spec": { "template": { "spec": { "serviceAccountName": "two" } } } });
@@ -267,6 +280,7 @@ async fn a_service_account_change_is_make_before_break() {
 
     samples.report("service account change (old service account)", &one);
     samples.report("service account change (new service account)", &two);
+    report_calls(&env.registrar, calls, "service account change");
     samples.assert_always_one_of(&[one.clone(), two.clone()]);
     let (new_seen, _) = samples.seen(&two, &new[0].id).expect("new entry seen");
     let (_, old_last) = samples.seen(&one, &first).expect("old entry seen");
@@ -309,6 +323,7 @@ async fn selector_typos_fail_at_apply_and_an_invalid_policy_holds_its_entries() 
     let ns = s.namespace(true).await;
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
+    let calls = env.registrar.spire_calls();
     let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
     // Passes the CRD's pattern, fails SPIFFE ID rules ('..' segment).
     let broken = format!("spiffe://{TD}/k8s/{}/..", s.tag);
@@ -325,6 +340,11 @@ async fn selector_typos_fail_at_apply_and_an_invalid_policy_holds_its_entries() 
     several_syncs(&env.registrar, &s.deployments(&ns), "web").await;
     let samples = sampler.stop().await;
     samples.report("invalid policy (held)", &who);
+    report_calls(
+        &env.registrar,
+        calls,
+        "invalid policy (incl. 3 poked syncs)",
+    );
     samples.assert_never_missing(&who);
     assert_eq!(samples.revisions(&who).len(), 1, "held untouched");
     assert_eq!(samples.ids(&who), vec![first]);
@@ -382,9 +402,10 @@ async fn scope_loss_waits_for_its_grace_and_coming_back_costs_nothing() {
     samples.assert_never_missing(&who);
     assert_eq!(samples.revisions(&who).len(), 1, "no churn at all");
     assert_eq!(samples.ids(&who), vec![first.clone()]);
-    eprintln!(
-        "TRANSITION scope loss and return: SPIRE calls +{}",
-        env.registrar.spire_calls() - calls
+    report_calls(
+        &env.registrar,
+        calls,
+        "namespace label removed and restored",
     );
 
     let lost_at = Instant::now();
@@ -453,6 +474,7 @@ async fn the_deletion_brake_holds_mass_scope_loss_until_an_operator_confirms() {
             lost.push(sa(&ns, "api"));
         }
     }
+    let calls = registrar.spire_calls();
     let sampler = Sampler::start(&socket, &lost).await;
 
     s.policies()
@@ -475,6 +497,7 @@ async fn the_deletion_brake_holds_mass_scope_loss_until_an_operator_confirms() {
         samples.assert_never_missing(who);
     }
     samples.report("mass scope loss held by the brake", &lost[0]);
+    report_calls(&registrar, calls, "mass scope loss held by the brake");
 
     let (_, command) = brake
         .message
@@ -525,6 +548,7 @@ async fn one_service_account_gets_one_entry_under_competing_policies() {
     let ns = s.namespace(true).await;
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
+    let calls = env.registrar.spire_calls();
     let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
 
     s.registered(&ns, "cron", "api").await;
@@ -541,6 +565,11 @@ async fn one_service_account_gets_one_entry_under_competing_policies() {
     s.event(&ns, "cron", "PolicyConflict").await;
     let samples = sampler.stop().await;
     samples.report("a second policy takes the service account over", &who);
+    report_calls(
+        &env.registrar,
+        calls,
+        "a second policy takes the service account over",
+    );
     samples.assert_never_missing(&who);
     assert_eq!(samples.ids(&who), vec![first, winner[0].id.clone()]);
 
@@ -755,6 +784,11 @@ async fn clusters_sharing_spire_keep_apart_and_a_rename_migrates_in_place() {
     assert!(fresh.starts_with("sreg.renamed."), "{fresh}");
     let samples = sampler.stop().await;
     samples.report("cluster rename", &who);
+    report_calls(
+        &registrar_a,
+        0.0,
+        "cluster rename (new process: start-up list + re-hint + one create)",
+    );
     samples.assert_never_missing(&who);
     assert_eq!(samples.ids(&who), vec![kept]);
     a.deployments(&ns_a)
@@ -846,6 +880,11 @@ async fn an_equivalent_foreign_entry_is_reported_once_then_adopted_on_opt_in() {
     assert_eq!(entry_id_of(&s.deployments(&ns), "web").await, foreign[0].id);
     let samples = sampler.stop().await;
     samples.report("adoption", &who);
+    report_calls(
+        &registrar,
+        0.0,
+        "adoption (new process: start-up list + re-hint)",
+    );
     samples.assert_never_missing(&who);
     assert_eq!(samples.ids(&who), vec![foreign[0].id.clone()]);
 

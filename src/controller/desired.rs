@@ -10,11 +10,12 @@
 //! Deployments of one service account apart, so the policy is chosen per service account and
 //! its entry is shared (the ref-count is the set of live Deployments running as it).
 
+pub use crate::index::NamespaceInfo;
 use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
 use crate::policy::render::validate;
 use crate::policy::select::validate_selectors;
 use crate::policy::{
-    Identity, OptIn, Resolution, SpiffeRegistration, labels_of, resolve, service_account_of,
+    OptIn, Resolution, SpiffeRegistration, labels_of, resolve, service_account_of,
 };
 use crate::spire::{Entry, Ownership, Selector};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -109,13 +110,6 @@ pub struct Workload {
     pub created: Option<k8s_openapi::jiff::Timestamp>,
 }
 
-/// What a namespace contributes: its labels and whether it is being deleted.
-#[derive(Clone, Debug, Default)]
-pub struct NamespaceInfo {
-    pub labels: BTreeMap<String, String>,
-    pub terminating: bool,
-}
-
 #[derive(Clone, Debug, Default)]
 pub struct Desired {
     pub service_accounts: BTreeMap<SaKey, ServiceAccount>,
@@ -143,26 +137,6 @@ pub fn key_of(deployment: &Deployment) -> DeploymentKey {
     DeploymentKey {
         namespace: deployment.namespace().unwrap_or_default(),
         name: deployment.name_any(),
-    }
-}
-
-/// The SPIRE entry for a rendered identity: the one place policy output becomes an entry.
-pub fn entry_for(ownership: &Ownership, identity: &Identity) -> Entry {
-    Entry {
-        id: ownership.entry_id(
-            &identity.spiffe_id,
-            &identity.parent_id,
-            &identity.selectors,
-        ),
-        spiffe_id: identity.spiffe_id.clone(),
-        parent_id: identity.parent_id.clone(),
-        selectors: identity.selectors.clone(),
-        x509_svid_ttl: identity.x509_svid_ttl,
-        jwt_svid_ttl: identity.jwt_svid_ttl,
-        dns_names: identity.dns_names.clone(),
-        federates_with: identity.federates_with.clone(),
-        hint: ownership.hint().to_string(),
-        revision_number: 0,
     }
 }
 
@@ -272,7 +246,7 @@ pub fn compute(
                 }
                 SaState::Needs {
                     policy: policy.name_any(),
-                    entry: entry_for(ownership, &identity),
+                    entry: identity.entry(ownership),
                 }
             }
         };

@@ -8,7 +8,7 @@
 use super::crd::{DEFAULT_SPIFFE_ID_TEMPLATE, SpiffeRegistrationSpec};
 use super::duration::{DurationError, parse_ttl};
 use super::spiffe_id::{SpiffeIdError, check, valid_trust_domain};
-use crate::spire::Selector;
+use crate::spire::{Entry, Ownership, Selector};
 
 /// The parts of a Deployment that identity depends on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,6 +31,25 @@ pub struct Identity {
     pub dns_names: Vec<String>,
     /// Sorted, deduplicated.
     pub federates_with: Vec<String>,
+}
+
+impl Identity {
+    /// The SPIRE entry for this identity, named by `ownership`: the one place policy output
+    /// becomes an entry (the controller creates it; the webhook knows its ID).
+    pub fn entry(&self, ownership: &Ownership) -> Entry {
+        Entry {
+            id: ownership.entry_id(&self.spiffe_id, &self.parent_id, &self.selectors),
+            spiffe_id: self.spiffe_id.clone(),
+            parent_id: self.parent_id.clone(),
+            selectors: self.selectors.clone(),
+            x509_svid_ttl: self.x509_svid_ttl,
+            jwt_svid_ttl: self.jwt_svid_ttl,
+            dns_names: self.dns_names.clone(),
+            federates_with: self.federates_with.clone(),
+            hint: ownership.hint().to_string(),
+            revision_number: 0,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

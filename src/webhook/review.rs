@@ -2,7 +2,6 @@
 //! on the request path), so dry-run requests are answered exactly like real ones.
 
 use super::patch::{guard_entry_id, stamp};
-use crate::controller::desired::entry_for;
 use crate::index::PolicyView;
 use crate::names::{ENTRY_ID_ANNOTATION, SPIFFE_ID_ANNOTATION};
 use crate::policy::{Resolution, labels_of, resolve, service_account_of};
@@ -167,7 +166,7 @@ fn decide(
         .as_ref()
         .and_then(|old| as_deployment(old).ok())
         .and_then(|old| old.metadata.annotations?.get(ENTRY_ID_ANNOTATION).cloned());
-    let computed = identity.map(|i| entry_for(view.ownership(), i).id);
+    let computed = identity.map(|i| i.entry(view.ownership()).id);
     let by_registrar =
         registrar_user.is_some_and(|me| request.user_info.username.as_deref() == Some(me));
     let mut warnings = Vec::new();
