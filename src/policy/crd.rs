@@ -34,6 +34,11 @@ pub const DEFAULT_SPIFFE_ID_TEMPLATE: &str =
     ),
     printcolumn(name = "Entries", type_ = "integer", json_path = ".status.entries"),
     printcolumn(
+        name = "Pending",
+        type_ = "integer",
+        json_path = ".status.pendingDeletions"
+    ),
+    printcolumn(
         name = "Ready",
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"Ready\")].status"
