@@ -81,6 +81,8 @@ impl Sampler {
         let watched = watched.to_vec();
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
+        let first = Arc::new(tokio::sync::Notify::new());
+        let first_seen = first.clone();
         let task = tokio::spawn(async move {
             let started = Instant::now();
             let mut samples = Vec::new();
@@ -97,15 +99,20 @@ impl Sampler {
                         at: started.elapsed(),
                         entries,
                     });
+                    if samples.len() == 1 {
+                        first_seen.notify_one();
+                    }
                 }
+                // The sampling period, not a wait for an outcome.
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             samples
         });
-        // The history starts with a first complete look.
-        let sampler = Self { stop, task };
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        sampler
+        // The history starts with a first complete look, before the test changes anything.
+        tokio::time::timeout(Duration::from_secs(30), first.notified())
+            .await
+            .expect("SPIRE must answer the sampler");
+        Self { stop, task }
     }
 
     pub async fn stop(self) -> Samples {
