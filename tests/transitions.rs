@@ -14,7 +14,7 @@ use common::paths::free_port;
 use common::registrar::{Options, Registrar};
 use common::sampler::{Sa, Sampler, sa, spire_client};
 use common::stack::Stack;
-use common::world::{HOME, Scenario, TD, WAIT, WEBHOOK_CONFIG, entry_id_of, events, gone, prepare};
+use common::world::{HOME, Scenario, TD, WAIT, WEBHOOK_CONFIG, entry_id_of, events, prepare};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
@@ -427,11 +427,7 @@ async fn scope_loss_waits_for_its_grace_and_coming_back_costs_nothing() {
     let other = s.namespace(true).await;
     s.registered(&other, "web", "api").await;
     let deleted_at = Instant::now();
-    s.deployments(&other)
-        .delete("web", &DeleteParams::default())
-        .await
-        .expect("delete");
-    gone(&s.deployments(&other), "web").await;
+    s.delete_deployment(&other, "web").await;
     assert!(entries(env.socket(), &sa(&other, "api")).await.is_empty());
     assert!(
         deleted_at.elapsed() < SCOPE_LOSS_GRACE,
@@ -686,11 +682,7 @@ async fn a_forged_entry_id_never_sticks_and_never_pins_another_teams_entry() {
         (annotation(&d, ENTRY_ID_ANNOTATION) == Some(own[0].id.as_str())).then_some(())
     })
     .await;
-    s.deployments(&team_a)
-        .delete("web", &DeleteParams::default())
-        .await
-        .expect("delete");
-    gone(&s.deployments(&team_a), "web").await;
+    s.delete_deployment(&team_a, "web").await;
     assert!(entries(env.socket(), &sa(&team_a, "api")).await.is_empty());
 }
 
@@ -748,11 +740,7 @@ async fn clusters_sharing_spire_keep_apart_and_a_rename_migrates_in_place() {
 
     let theirs = sa(&ns_b, "api");
     let sampler = Sampler::start(&socket, std::slice::from_ref(&theirs)).await;
-    a.deployments(&ns_a)
-        .delete("web", &DeleteParams::default())
-        .await
-        .expect("delete");
-    gone(&a.deployments(&ns_a), "web").await;
+    a.delete_deployment(&ns_a, "web").await;
     assert!(entries(&socket, &sa(&ns_a, "api")).await.is_empty());
     let samples = sampler.stop().await;
     samples.assert_never_missing(&theirs);
@@ -791,11 +779,7 @@ async fn clusters_sharing_spire_keep_apart_and_a_rename_migrates_in_place() {
     );
     samples.assert_never_missing(&who);
     assert_eq!(samples.ids(&who), vec![kept]);
-    a.deployments(&ns_a)
-        .delete("kept", &DeleteParams::default())
-        .await
-        .expect("delete");
-    gone(&a.deployments(&ns_a), "kept").await;
+    a.delete_deployment(&ns_a, "kept").await;
     assert!(
         entries(&socket, &who).await.is_empty(),
         "still ours to delete"
@@ -888,11 +872,7 @@ async fn an_equivalent_foreign_entry_is_reported_once_then_adopted_on_opt_in() {
     samples.assert_never_missing(&who);
     assert_eq!(samples.ids(&who), vec![foreign[0].id.clone()]);
 
-    s.deployments(&ns)
-        .delete("web", &DeleteParams::default())
-        .await
-        .expect("delete");
-    gone(&s.deployments(&ns), "web").await;
+    s.delete_deployment(&ns, "web").await;
     assert!(
         entries(&socket, &who).await.is_empty(),
         "now ours to delete"

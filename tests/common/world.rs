@@ -126,6 +126,15 @@ impl Scenario {
         entry_id_of(&self.deployments(ns), name).await
     }
 
+    /// Deletes Deployment `ns/name` and waits until it is gone (its finalizer released).
+    pub async fn delete_deployment(&self, ns: &str, name: &str) {
+        let api = self.deployments(ns);
+        api.delete(name, &kube::api::DeleteParams::default())
+            .await
+            .expect("delete");
+        gone(&api, name).await;
+    }
+
     /// Waits for condition `type_` of policy `name` to satisfy `pred`.
     pub async fn condition(
         &self,
