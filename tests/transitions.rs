@@ -35,7 +35,8 @@ fn args(extra: &[&str]) -> Vec<String> {
     let flag = |arg: &str| arg.split('=').next().unwrap_or_default().to_string();
     let overridden: Vec<String> = extra.iter().map(|a| flag(a)).collect();
     let mut args: Vec<String> = [
-        "--resync-interval=60s",
+        // Long: a resync forgets what SPIRE refused and asks once more, which two tests count.
+        "--resync-interval=10m",
         "--lease-duration=4s",
         "--spire-rps=0",
         "--transition-grace=3s",

@@ -579,6 +579,10 @@ pub fn workload_writes(
                 ),
             ));
         }
+        if workload.namespace_terminating {
+            // The apiserver refuses new Events in a namespace being deleted.
+            announce.clear();
+        }
         announce.retain(|a| memory.first_time(key, a));
         if !change.is_empty() || !announce.is_empty() {
             writes.push(WorkloadWrite {

@@ -103,6 +103,8 @@ pub struct Workload {
     pub service_account: SaKey,
     /// Has a deletionTimestamp, or its namespace has.
     pub deleting: bool,
+    /// Its namespace is being deleted: no Event can be written there any more.
+    pub namespace_terminating: bool,
     pub has_finalizer: bool,
     /// Our annotations as currently written (to know what to patch, never as truth).
     pub spiffe_id: Option<String>,
@@ -184,8 +186,8 @@ pub fn compute(
             namespace: key.namespace.clone(),
             service_account: service_account_of(deployment).to_string(),
         };
-        let deleting = deployment.metadata.deletion_timestamp.is_some()
-            || namespace.as_ref().is_some_and(|ns| ns.terminating);
+        let namespace_terminating = namespace.as_ref().is_some_and(|ns| ns.terminating);
+        let deleting = deployment.metadata.deletion_timestamp.is_some() || namespace_terminating;
         if !deleting {
             live.entry(sa.clone())
                 .or_default()
@@ -196,6 +198,7 @@ pub fn compute(
             Workload {
                 service_account: sa,
                 deleting,
+                namespace_terminating,
                 has_finalizer: deployment
                     .metadata
                     .finalizers

@@ -1,6 +1,7 @@
 //! Writes the outcome of a sync back to Kubernetes: annotations and finalizers on Deployments
-//! (JSON Patch guarded by a `test` of the cached resourceVersion, so a stale cache can never
-//! clobber someone else's change), Events, and policy status.
+//! (JSON Patch guarded by `test` operations on exactly what the patch relies on, so a stale
+//! cache can never clobber someone else's change, while kube-controller-manager's status writes
+//! never make our patch fail), Events, and policy status.
 
 use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -30,23 +31,28 @@ fn escape(key: &str) -> String {
     key.replace('~', "~0").replace('/', "~1")
 }
 
-/// JSON Patch operations for `change` against the cached `deployment`; the first one tests
-/// the resourceVersion the decision was made on.
+/// JSON Patch operations for `change` against the cached `deployment`, each guarded by a
+/// `test` of what it relies on: the finalizer list it edits by index or appends to, and, when
+/// it creates the annotation map or finalizer list, the whole object's resourceVersion (an
+/// `add` of an existing map would replace it). Status and other fields may change meanwhile.
 pub fn operations(deployment: &Deployment, change: &MetadataChange) -> Vec<Value> {
-    let mut ops = vec![
-        json!({ "op": "test", "path": "/metadata/resourceVersion", "value": deployment.resource_version() }),
-    ];
+    let mut ops = Vec::new();
+    let mut guard_version = false;
     let finalizers = deployment.metadata.finalizers.clone().unwrap_or_default();
-    if change.add_finalizer && !finalizers.iter().any(|f| f == FINALIZER) {
+    let add = change.add_finalizer && !finalizers.iter().any(|f| f == FINALIZER);
+    let remove = change.remove_finalizer && finalizers.iter().any(|f| f == FINALIZER);
+    if (add || remove) && deployment.metadata.finalizers.is_some() {
+        ops.push(json!({ "op": "test", "path": "/metadata/finalizers", "value": finalizers }));
+    }
+    if add {
         if deployment.metadata.finalizers.is_none() {
+            guard_version = true;
             ops.push(json!({ "op": "add", "path": "/metadata/finalizers", "value": [FINALIZER] }));
         } else {
             ops.push(json!({ "op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER }));
         }
     }
-    if change.remove_finalizer
-        && let Some(index) = finalizers.iter().position(|f| f == FINALIZER)
-    {
+    if remove && let Some(index) = finalizers.iter().position(|f| f == FINALIZER) {
         ops.push(json!({ "op": "remove", "path": format!("/metadata/finalizers/{index}") }));
     }
     let annotations = deployment.metadata.annotations.clone().unwrap_or_default();
@@ -59,6 +65,7 @@ pub fn operations(deployment: &Deployment, change: &MetadataChange) -> Vec<Value
         match wanted {
             Some(Some(value)) if annotations.get(key) != Some(value) => {
                 if !annotations_exist {
+                    guard_version = true;
                     ops.push(json!({ "op": "add", "path": "/metadata/annotations", "value": {} }));
                     annotations_exist = true;
                 }
@@ -70,7 +77,18 @@ pub fn operations(deployment: &Deployment, change: &MetadataChange) -> Vec<Value
             _ => {}
         }
     }
+    if guard_version {
+        ops.insert(
+            0,
+            json!({ "op": "test", "path": "/metadata/resourceVersion", "value": deployment.resource_version() }),
+        );
+    }
     ops
+}
+
+/// Whether `ops` change anything (tests alone do not).
+fn writes_anything(ops: &[Value]) -> bool {
+    ops.iter().any(|op| op["op"] != "test")
 }
 
 /// Patches one Deployment. A failed `test` (the cache was stale) is not an error worth more
@@ -81,7 +99,7 @@ pub async fn patch_metadata(
     change: &MetadataChange,
 ) -> Result<bool, kube::Error> {
     let ops = operations(deployment, change);
-    if ops.len() == 1 {
+    if !writes_anything(&ops) {
         return Ok(false);
     }
     let namespace = deployment.namespace().unwrap_or_default();
@@ -212,8 +230,13 @@ mod tests {
         assert_eq!(out["metadata"]["annotations"], json!({ "keep": "1" }));
     }
 
+    fn try_apply(object: &mut Value, ops: Vec<Value>) -> bool {
+        let patch: json_patch::Patch = serde_json::from_value(Value::Array(ops)).expect("patch");
+        json_patch::patch(object, &patch).is_ok()
+    }
+
     #[test]
-    fn a_stale_cache_fails_the_test_operation() {
+    fn creating_a_map_or_list_needs_the_cached_version() {
         let mut d = mk_deployment("a", "web", None, &[]);
         d.metadata.resource_version = Some("7".into());
         let ops = operations(
@@ -225,12 +248,40 @@ mod tests {
         );
         let mut newer = serde_json::to_value(&d).expect("serializes");
         newer["metadata"]["resourceVersion"] = "8".into();
-        let patch: json_patch::Patch = serde_json::from_value(Value::Array(ops)).expect("patch");
-        assert!(json_patch::patch(&mut newer, &patch).is_err());
+        newer["metadata"]["finalizers"] = json!(["someone/else"]);
+        assert!(
+            !try_apply(&mut newer, ops),
+            "would have replaced their list"
+        );
     }
 
     #[test]
-    fn nothing_to_change_is_only_the_test() {
+    fn status_writes_never_fail_our_patch_but_a_changed_finalizer_list_does() {
+        let mut d = mk_deployment("a", "web", None, &[]);
+        d.metadata.resource_version = Some("7".into());
+        d.metadata.finalizers = Some(vec![FINALIZER.into(), "x.io/b".into()]);
+        d.metadata.annotations = Some(BTreeMap::new());
+        let change = MetadataChange {
+            remove_finalizer: true,
+            spiffe_id: Some(Some("spiffe://td/x".into())),
+            ..Default::default()
+        };
+        let mut status_written = serde_json::to_value(&d).expect("serializes");
+        status_written["metadata"]["resourceVersion"] = "8".into();
+        status_written["status"] = json!({ "observedGeneration": 2 });
+        assert!(try_apply(&mut status_written, operations(&d, &change)));
+        assert_eq!(status_written["metadata"]["finalizers"], json!(["x.io/b"]));
+
+        let mut reordered = serde_json::to_value(&d).expect("serializes");
+        reordered["metadata"]["finalizers"] = json!(["x.io/b", FINALIZER]);
+        assert!(
+            !try_apply(&mut reordered, operations(&d, &change)),
+            "an index into a list that changed must not remove someone else's finalizer"
+        );
+    }
+
+    #[test]
+    fn nothing_to_change_writes_nothing() {
         let mut d = mk_deployment("a", "web", None, &[]);
         d.metadata.finalizers = Some(vec![FINALIZER.into()]);
         let change = MetadataChange {
@@ -238,6 +289,6 @@ mod tests {
             entry_id: Some(None),
             ..Default::default()
         };
-        assert_eq!(operations(&d, &change).len(), 1);
+        assert!(!writes_anything(&operations(&d, &change)));
     }
 }

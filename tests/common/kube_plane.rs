@@ -1,4 +1,9 @@
-//! etcd + kube-apiserver on loopback, with an admin kubeconfig.
+//! etcd + kube-apiserver + kube-controller-manager on loopback, with an admin kubeconfig.
+//!
+//! kube-controller-manager runs the deployment, replicaset, namespace and garbage-collector
+//! controllers, so tests see what a real cluster does to Deployments: status rewritten on every
+//! rollout step, ReplicaSets and Pods created (Pending: there is no scheduler or kubelet), and
+//! namespaces deleted by the namespace controller.
 
 use super::certs::TestCa;
 use super::paths::{binary, free_port, kube_bin};
@@ -10,6 +15,7 @@ use std::time::Duration;
 pub struct KubePlane {
     pub etcd: ManagedProcess,
     pub apiserver: ManagedProcess,
+    pub controller_manager: ManagedProcess,
     pub url: String,
     pub kubeconfig: PathBuf,
     /// PEM of the CA that signed the apiserver's serving cert and the admin client cert.
@@ -73,9 +79,13 @@ impl KubePlane {
         )
         .expect("kubeconfig must be writable");
 
+        let mut apiserver = apiserver;
+        wait_apiserver(&mut apiserver, &kubeconfig);
+        let controller_manager = start_controller_manager(dir, &kubeconfig);
         let mut plane = Self {
             etcd: etcd.0,
             apiserver,
+            controller_manager,
             url,
             kubeconfig,
             ca_pem: ca.cert_pem,
@@ -84,16 +94,26 @@ impl KubePlane {
         plane
     }
 
+    /// Ready when kube-controller-manager holds its Lease (its controllers start right after).
     fn wait_ready(&mut self) {
         let kubeconfig = self.kubeconfig.clone();
-        wait_until("kube-apiserver /readyz", Duration::from_secs(90), || {
-            self.apiserver.assert_running();
-            run(kubectl_command(&kubeconfig).args(["get", "--raw", "/readyz"])).0
-        });
-        // The apiserver creates the system namespaces itself, shortly after it is ready.
-        wait_until("namespace default", Duration::from_secs(30), || {
-            run(kubectl_command(&kubeconfig).args(["get", "namespace", "default"])).0
-        });
+        wait_until(
+            "kube-controller-manager to lead",
+            Duration::from_secs(60),
+            || {
+                self.controller_manager.assert_running();
+                let (ok, out, _) = run(kubectl_command(&kubeconfig).args([
+                    "-n",
+                    "kube-system",
+                    "get",
+                    "lease",
+                    "kube-controller-manager",
+                    "-o",
+                    "jsonpath={.spec.holderIdentity}",
+                ]));
+                ok && !out.trim().is_empty()
+            },
+        );
     }
 
     pub fn kubectl(&self) -> Command {
@@ -106,6 +126,7 @@ impl KubePlane {
     }
 
     pub fn stop(&mut self) {
+        self.controller_manager.stop(Duration::from_secs(10));
         self.apiserver.stop(Duration::from_secs(10));
         self.etcd.stop(Duration::from_secs(10));
     }
@@ -125,6 +146,34 @@ pub fn kubectl_command(kubeconfig: &Path) -> Command {
     let mut command = Command::new(binary(kube_bin(), "kubectl"));
     command.env("KUBECONFIG", kubeconfig);
     command
+}
+
+fn wait_apiserver(apiserver: &mut ManagedProcess, kubeconfig: &Path) {
+    wait_until("kube-apiserver /readyz", Duration::from_secs(90), || {
+        apiserver.assert_running();
+        run(kubectl_command(kubeconfig).args(["get", "--raw", "/readyz"])).0
+    });
+    // The apiserver creates the system namespaces itself, shortly after it is ready.
+    wait_until("namespace default", Duration::from_secs(30), || {
+        run(kubectl_command(kubeconfig).args(["get", "namespace", "default"])).0
+    });
+}
+
+/// The controllers a Deployment's life touches. Client rate limits are raised from the
+/// defaults (20/s) so thousands of Deployments settle in test time on loopback.
+fn start_controller_manager(dir: &Path, kubeconfig: &Path) -> ManagedProcess {
+    let mut command = Command::new(binary(kube_bin(), "kube-controller-manager"));
+    command.args([
+        format!("--kubeconfig={}", kubeconfig.display()),
+        "--controllers=deployment-controller,replicaset-controller,namespace-controller,garbage-collector-controller".into(),
+        "--secure-port=0".into(),
+        "--leader-elect=true".into(),
+        "--kube-api-qps=500".into(),
+        "--kube-api-burst=1000".into(),
+        "--concurrent-deployment-syncs=10".into(),
+        "--concurrent-replicaset-syncs=10".into(),
+    ]);
+    ManagedProcess::spawn("kube-controller-manager", command, dir)
 }
 
 fn start_etcd(dir: &Path) -> (ManagedProcess, String) {

@@ -68,6 +68,7 @@ impl Stack {
         vec![
             self.kube.etcd.pgid(),
             self.kube.apiserver.pgid(),
+            self.kube.controller_manager.pgid(),
             self.spire_server.process.pgid(),
             self.spire_agent.process.pgid(),
         ]
@@ -115,6 +116,7 @@ impl Stack {
         for process in [
             &self.kube.etcd,
             &self.kube.apiserver,
+            &self.kube.controller_manager,
             &self.spire_server.process,
             &self.spire_agent.process,
         ] {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the real peers the tests run against (etcd, kube-apiserver, kubectl, spire-server,
-# spire-agent) from Go modules at the versions in versions.env, into a cache outside the repo.
+# Builds the real peers the tests run against (etcd, kube-apiserver, kube-controller-manager,
+# kubectl, spire-server, spire-agent) from Go modules at the versions in versions.env, into a cache outside the repo.
 # Whatever is already cached is not rebuilt. Prints the bin directories on the last lines.
 #
 #   SPIFFE_REGISTRAR_TESTENV  cache root (default ~/.cache/spiffe-registrar/testenv)
@@ -37,18 +37,30 @@ build_into() {
 ensure_prerequisites
 mkdir -p "$TESTENV_CACHE"
 
+minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
+kube_stamp="-s -w -X k8s.io/component-base/version.gitVersion=${KUBERNETES_VERSION}"
+kube_stamp+=" -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor}"
+kube_stamp+=" -X k8s.io/component-base/version.gitTreeState=clean"
 if [[ -x "$KUBE_BIN/kube-apiserver" && -x "$KUBE_BIN/etcd" && -x "$KUBE_BIN/kubectl" ]]; then
   log "cached: $KUBE_BIN"
 else
-  log "building kube-apiserver ${KUBERNETES_VERSION}, kubectl, etcd ${ETCD_VERSION} (slow the first time)"
-  minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
-  stamp="-s -w -X k8s.io/component-base/version.gitVersion=${KUBERNETES_VERSION}"
-  stamp+=" -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor}"
-  stamp+=" -X k8s.io/component-base/version.gitTreeState=clean"
-  build_into "$(dirname "$KUBE_BIN")" "$here/go/kube" 0 "$stamp" \
-    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl go.etcd.io/etcd/server/v3
+  log "building kube-apiserver ${KUBERNETES_VERSION}, kube-controller-manager, kubectl, etcd ${ETCD_VERSION} (slow the first time)"
+  build_into "$(dirname "$KUBE_BIN")" "$here/go/kube" 0 "$kube_stamp" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kubectl go.etcd.io/etcd/server/v3
   # `go build` names the etcd binary after its package directory ("server").
   mv "$KUBE_BIN/server" "$KUBE_BIN/etcd"
+fi
+# Caches made before kube-controller-manager joined the bed get it added, nothing rebuilt.
+if [[ ! -x "$KUBE_BIN/kube-controller-manager" ]]; then
+  log "adding kube-controller-manager ${KUBERNETES_VERSION} to $KUBE_BIN"
+  tmp=$(mktemp -d "${KUBE_BIN}.partial.XXXXXX")
+  start=$SECONDS
+  ( cd "$here/go/kube" && CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -p 2 -trimpath \
+      -ldflags "$kube_stamp" -o "$tmp/" k8s.io/kubernetes/cmd/kube-controller-manager )
+  mv "$tmp/kube-controller-manager" "$KUBE_BIN/kube-controller-manager"
+  rmdir "$tmp"
+  log "built kube-controller-manager in $((SECONDS - start))s"
 fi
 
 if [[ -x "$SPIRE_BIN/spire-server" && -x "$SPIRE_BIN/spire-agent" ]]; then

@@ -21,6 +21,7 @@ rm -f "$kube_dir/go.mod" "$kube_dir/go.sum"
   done
   go get "k8s.io/kubernetes@${KUBERNETES_VERSION}"
   go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@${KUBERNETES_VERSION}"
+  go get -tool "k8s.io/kubernetes/cmd/kube-controller-manager@${KUBERNETES_VERSION}"
   go get -tool "k8s.io/kubernetes/cmd/kubectl@${KUBERNETES_VERSION}"
   go get -tool "go.etcd.io/etcd/server/v3@${ETCD_VERSION}"
   go mod tidy

@@ -75,6 +75,7 @@ impl World {
                 Workload {
                     service_account: key.clone(),
                     deleting: false,
+                    namespace_terminating: false,
                     has_finalizer: true,
                     spiffe_id: None,
                     entry_id: None,
@@ -119,6 +120,7 @@ impl World {
             Workload {
                 service_account: sa(ns, sa_name),
                 deleting: true,
+                namespace_terminating: false,
                 has_finalizer: true,
                 spiffe_id: None,
                 entry_id: None,
@@ -720,4 +722,21 @@ fn unknown_selector_shapes_of_ours_are_orphans() {
     };
     w.in_spire(&odd);
     assert_eq!(ids(&w.decide(0).delete), vec![odd.id.as_str()]);
+}
+
+#[test]
+fn a_terminating_namespace_releases_its_deployments_without_events() {
+    let mut w = World::new();
+    let e = rendered(&w.o, "a", "api", "spiffe://td/p");
+    w.in_spire(&e);
+    w.deleting("a", "web", "api");
+    let web = w.desired.workloads.get_mut(&dk("a", "web")).expect("web");
+    web.namespace_terminating = true;
+    web.entry_id = Some(e.id.clone());
+    let plan = w.decide(0);
+    assert_eq!(ids(&plan.delete), vec![e.id.as_str()]);
+    w.apply(&plan);
+    let writes = w.writes(&plan, &Failures::new());
+    assert!(writes[0].change.remove_finalizer);
+    assert!(writes[0].announce.is_empty(), "Events are refused there");
 }

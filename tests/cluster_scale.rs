@@ -1,0 +1,230 @@
+//! A realistic cluster at test scale: 2,000 Deployments under kube-controller-manager, whose
+//! deployment and replicaset controllers rewrite their status on every rollout step, and whose
+//! namespace controller deletes them. The registrar must do no work for status churn and must
+//! let a namespace go with every entry of it deleted.
+
+mod common;
+
+use common::Stack;
+use common::k8s::{deployment, eventually};
+use common::paths::free_port;
+use common::registrar::{Options, Registrar};
+use common::world::{HOME, Scenario, WEBHOOK_CONFIG, prepare};
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use spiffe_registrar::names::ENTRY_ID_ANNOTATION;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+const DEPLOYMENTS: usize = 2_000;
+const SETTLE: Duration = Duration::from_secs(300);
+
+struct Env {
+    stack: &'static Stack,
+    registrar: Registrar,
+    /// One scenario at a time: each puts 2,000 Deployments (and kube-controller-manager's
+    /// 4,000 ReplicaSets and Pods) on two cores.
+    turn: tokio::sync::Mutex<()>,
+}
+
+fn env() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    tokio::task::block_in_place(|| {
+        ENV.get_or_init(|| {
+            let stack = Stack::shared();
+            let port = free_port();
+            prepare(&stack.kube, port);
+            let options = Options {
+                namespace: HOME,
+                webhook_configuration: WEBHOOK_CONFIG,
+                cluster_name: "scale",
+                name: "registrar",
+                extra_args: vec!["--spire-rps=0".into(), "--resync-interval=10m".into()],
+                extra_env: vec![("RUST_LOG".into(), "info".into())],
+            };
+            let registrar = Registrar::start_on(stack, port, options);
+            stack.track(registrar.process.pgid());
+            Env {
+                stack,
+                registrar,
+                turn: tokio::sync::Mutex::new(()),
+            }
+        })
+    })
+}
+
+/// `DEPLOYMENTS` Deployments in `namespaces`, two per service account, all registered.
+async fn registered_fleet(s: &Scenario, namespaces: &[String]) {
+    futures::stream::iter(0..DEPLOYMENTS)
+        .for_each_concurrent(16, |i| {
+            let api = s.deployments(&namespaces[(i / 2) % namespaces.len()]);
+            async move {
+                let d = deployment(&format!("d{i}"), Some(&format!("sa{}", i / 2)));
+                api.create(&PostParams::default(), &d)
+                    .await
+                    .expect("create");
+            }
+        })
+        .await;
+    let all = namespaces.to_vec();
+    eventually("every Deployment registered", SETTLE, || {
+        let all = all.clone();
+        async move {
+            let mut done = 0;
+            for ns in &all {
+                let list = s.deployments(ns).list(&ListParams::default()).await.ok()?;
+                done += list
+                    .items
+                    .iter()
+                    .filter(|d| {
+                        d.metadata
+                            .annotations
+                            .as_ref()
+                            .is_some_and(|a| a.contains_key(ENTRY_ID_ANNOTATION))
+                    })
+                    .count();
+            }
+            (done == DEPLOYMENTS).then_some(())
+        }
+    })
+    .await;
+}
+
+/// Waits until kube-controller-manager has acted on every Deployment's latest generation.
+async fn observed(s: &Scenario, namespaces: &[String]) {
+    eventually(
+        "kube-controller-manager to observe every Deployment",
+        SETTLE,
+        || async {
+            for ns in namespaces {
+                let list = s.deployments(ns).list(&ListParams::default()).await.ok()?;
+                let behind = list.items.iter().any(|d| {
+                    d.status.as_ref().and_then(|st| st.observed_generation) != d.metadata.generation
+                        || d.status
+                            .as_ref()
+                            .and_then(|st| st.updated_replicas)
+                            .is_none()
+                });
+                if behind {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
+    .await;
+}
+
+fn spire_writes(registrar: &Registrar) -> f64 {
+    ["create", "update", "delete"]
+        .iter()
+        .map(|op| registrar.metric("spire_api_entries_total", &[("op", op)]))
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rollout_of_2000_deployments_costs_no_spire_write_and_almost_no_sync() {
+    let env = env();
+    let _turn = env.turn.lock().await;
+    let _logs = env.stack.logs_on_panic();
+    let s = Scenario::new(&env.stack.kube).await;
+    s.policy("p", s.spec("p")).await;
+    let mut namespaces = Vec::new();
+    for _ in 0..10 {
+        namespaces.push(s.namespace(true).await);
+    }
+    registered_fleet(&s, &namespaces).await;
+    observed(&s, &namespaces).await;
+    let (syncs, writes) = (env.registrar.syncs(), spire_writes(&env.registrar));
+
+    // A rollout: a new pod template for every Deployment. kube-controller-manager creates a
+    // ReplicaSet each and rewrites every status several times.
+    futures::stream::iter(0..DEPLOYMENTS)
+        .for_each_concurrent(16, |i| {
+            let api = s.deployments(&namespaces[(i / 2) % namespaces.len()]);
+            async move {
+                let patch = json!({ "spec": { "template": { "spec": { "containers": [
+                    { "name": "app", "image": "registry.invalid/app:2" }
+                ] } } } });
+                api.patch(
+                    &format!("d{i}"),
+                    &PatchParams::default(),
+                    &Patch::Strategic(&patch),
+                )
+                .await
+                .expect("rollout");
+            }
+        })
+        .await;
+    observed(&s, &namespaces).await;
+    let churn_syncs = env.registrar.syncs() - syncs;
+    eprintln!(
+        "SCALE rollout of {DEPLOYMENTS}: {churn_syncs} syncs, SPIRE writes +{}",
+        spire_writes(&env.registrar) - writes
+    );
+    assert!(churn_syncs < 5.0, "{churn_syncs} syncs from status churn");
+    assert_eq!(spire_writes(&env.registrar), writes, "no SPIRE write");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn deleting_a_namespace_of_2000_deployments_leaves_no_entry_and_nothing_stuck() {
+    let env = env();
+    let _turn = env.turn.lock().await;
+    let _logs = env.stack.logs_on_panic();
+    let s = Scenario::new(&env.stack.kube).await;
+    s.policy("p", s.spec("p")).await;
+    let ns = s.namespace(true).await;
+    registered_fleet(&s, std::slice::from_ref(&ns)).await;
+    let selector = format!("k8s:ns:{ns}");
+    assert_eq!(
+        env.stack
+            .spire_server
+            .entries(&["-selector", &selector])
+            .len(),
+        DEPLOYMENTS / 2
+    );
+
+    let started = std::time::Instant::now();
+    let namespaces: Api<Namespace> = Api::all(s.client.clone());
+    namespaces
+        .delete(&ns, &DeleteParams::default())
+        .await
+        .expect("delete namespace");
+    let left: Api<Deployment> = Api::namespaced(s.client.clone(), &ns);
+    eventually("every Deployment gone", SETTLE, || async {
+        let list = left.list(&ListParams::default()).await.ok()?;
+        if std::env::var_os("SCALE_DEBUG").is_some() {
+            let deleting = list.items.iter().filter(|d| d.metadata.deletion_timestamp.is_some()).count();
+            let finalized = list.items.iter().filter(|d| common::k8s::has_finalizer(d)).count();
+            let entries = env.stack.spire_server.entries(&["-selector", &selector]).len();
+            eprintln!("t={:.1}s deployments={} deleting={deleting} with-finalizer={finalized} entries={entries}", started.elapsed().as_secs_f64(), list.items.len());
+        }
+        list.items.is_empty().then_some(())
+    })
+    .await;
+    let deployments_gone = started.elapsed();
+    eventually("the namespace to be gone", SETTLE, || async {
+        namespaces.get_opt(&ns).await.ok()?.is_none().then_some(())
+    })
+    .await;
+    eprintln!(
+        "SCALE namespace of {DEPLOYMENTS} Deployments: Deployments gone after {:.1} s, namespace after {:.1} s",
+        deployments_gone.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+    if std::env::var_os("SCALE_DEBUG").is_some() {
+        let log = env.registrar.process.log_tail(100_000);
+        for line in log
+            .lines()
+            .filter(|l| l.contains("applied SPIRE") || l.contains("patch failed"))
+        {
+            eprintln!("{line}");
+        }
+    }
+    let entries = env.stack.spire_server.entries(&["-selector", &selector]);
+    assert!(entries.is_empty(), "{} entries left", entries.len());
+}
