@@ -123,10 +123,12 @@ async fn spire_until(
     .await
 }
 
-/// A harmless annotation change: a watch event, so the leader syncs again.
+/// A harmless label change: labels are read by decisions (selectors), so the leader syncs
+/// again (annotations of others, status and rollouts are ignored on purpose).
 async fn poke(api: &Api<Deployment>, name: &str) {
-    let patch =
-        json!({ "metadata": { "annotations": { "e2e/poke": format!("{:?}", Instant::now()) } } });
+    static POKES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = POKES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let patch = json!({ "metadata": { "labels": { "e2e/poke": n.to_string() } } });
     api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .expect("poke");

@@ -205,8 +205,17 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
             continue;
         };
         memory.policy_of.insert(entry.id.clone(), policy.clone());
+        // An entry under our ID whose SPIFFE ID, parent or selectors were edited behind our
+        // back serves no one correctly: it is replaced (the writer deletes it first).
+        let tampered = observed
+            .get(&entry.id)
+            .filter(|e| triple(e) != triple(entry));
+        if let Some(tampered) = tampered {
+            plan.delete.push(tampered.clone());
+        }
         let existing = observed
             .get(&entry.id)
+            .filter(|_| tampered.is_none())
             .or_else(|| by_triple.get(&triple(entry)).copied());
         if let Some(existing) = existing {
             let wanted = Entry {
@@ -250,9 +259,13 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
     track_moves(desired, &plan.serving, observed, memory);
 
     let serving: BTreeSet<&String> = plan.serving.values().collect();
+    let replaced: BTreeSet<String> = plan.delete.iter().map(|e| e.id.clone()).collect();
     let mut scope_lost_due = Vec::new();
     let mut out_of_scope = BTreeSet::new();
-    for entry in observed.values().filter(|e| !serving.contains(&e.id)) {
+    for entry in observed
+        .values()
+        .filter(|e| !serving.contains(&e.id) && !replaced.contains(&e.id))
+    {
         let sa = SaKey::of_entry(entry);
         let account = sa.as_ref().and_then(|sa| desired.service_accounts.get(sa));
         let transition = |by: &String| {
@@ -471,19 +484,23 @@ pub struct WorkloadWrite {
 /// What happened to SPIRE writes, by entry ID (after the writer applied the plan).
 pub type Failures = BTreeMap<String, ItemError>;
 
-/// Decides every Deployment's metadata and Event after the SPIRE writes, from what SPIRE now
-/// holds (`observed`, updated by the writer).
+/// Decides the metadata and Events of the Deployments running as the service accounts in
+/// `scope` (every Deployment when `None`), from what SPIRE now holds (`observed`, updated by
+/// the writer). A scope lets the writer annotate Deployments while later SPIRE batches are
+/// still in flight.
 pub fn workload_writes(
     desired: &Desired,
     plan: &SpirePlan,
     observed: &BTreeMap<String, Entry>,
     failures: &Failures,
     memory: &mut Memory,
+    scope: Option<&BTreeSet<SaKey>>,
 ) -> Vec<WorkloadWrite> {
+    let in_scope = |sa: &SaKey| scope.is_none_or(|scope| scope.contains(sa));
     // Entries of ours per service account, as SPIRE has them now.
     let mut remaining: BTreeMap<SaKey, Vec<&Entry>> = BTreeMap::new();
     for entry in observed.values() {
-        if let Some(sa) = SaKey::of_entry(entry) {
+        if let Some(sa) = SaKey::of_entry(entry).filter(|sa| in_scope(sa)) {
             remaining.entry(sa).or_default().push(entry);
         }
     }
@@ -495,6 +512,9 @@ pub fn workload_writes(
     let mut writes = Vec::new();
     for (key, workload) in &desired.workloads {
         let sa = &workload.service_account;
+        if !in_scope(sa) {
+            continue;
+        }
         let account = desired.service_accounts.get(sa);
         let ours_left = remaining.get(sa).map(Vec::as_slice).unwrap_or_default();
         let (change, announce, registered) = match (workload.deleting, account.map(|a| &a.state)) {
@@ -593,9 +613,11 @@ pub fn workload_writes(
             });
         }
     }
-    memory
-        .announced
-        .retain(|(key, _), _| desired.workloads.contains_key(key));
+    if scope.is_none() {
+        memory
+            .announced
+            .retain(|(key, _), _| desired.workloads.contains_key(key));
+    }
     writes
 }
 

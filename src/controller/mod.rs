@@ -16,5 +16,6 @@ pub mod record;
 pub mod status;
 pub mod sync;
 pub mod view;
+pub mod writer;
 
 pub use sync::{Controller, ControllerSettings};

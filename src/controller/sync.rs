@@ -1,23 +1,23 @@
 //! The loop: when to sync, and one sync as snapshot → desired → decide → writers. Every
 //! decision lives in `decide` (pure); this file only wires it to SPIRE and Kubernetes.
 
-use super::decide::{self, DecideSettings, Memory, SpirePlan, WorkloadWrite};
-use super::desired::{self, DeploymentKey, Desired, NamespaceInfo, key_of};
+use super::decide::{self, DecideSettings, Memory, SpirePlan};
+use super::desired::{self, Desired, NamespaceInfo, SaKey};
 use super::metrics::ControllerMetrics;
-use super::record::{event, write_workload};
+use super::record::event;
 use super::status::{self, Outcome, confirm_command};
 use super::view::{ApplyReport, SpireView};
+use super::writer::WorkloadWriter;
 use crate::index::Index;
 use crate::names::{CONFIRM_DELETIONS_ANNOTATION, CRD_NAME};
 use crate::policy::{OptIn, SpiffeRegistration};
-use crate::spire::{EntryApi, Ownership};
-use futures::StreamExt;
+use crate::spire::{Entry, EntryApi, Ownership};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::{Api, Client, ResourceExt};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -59,8 +59,9 @@ enum Next {
 }
 
 const MIN_BACKOFF: Duration = Duration::from_secs(1);
-/// Deployment patches and Events in flight at once during a sync.
-const PATCH_CONCURRENCY: usize = 16;
+/// Entries created before their Deployments are handed to the writer: a few SPIRE batches,
+/// so annotating overlaps creating without recomputing the writes too often.
+const CREATE_CHUNK: usize = 200;
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
 impl<A: EntryApi> Controller<A> {
@@ -202,10 +203,16 @@ impl<A: EntryApi> Controller<A> {
         {
             plan = self.decide(&desired);
         }
+        let mut writer = WorkloadWriter::new(
+            self.client.clone(),
+            self.recorder.clone(),
+            self.metrics.clone(),
+            &deployments,
+        );
         let report = if plan.writes() == 0 {
             ApplyReport::default()
         } else {
-            self.apply(&plan).await
+            self.apply(&plan, &desired, &mut writer).await
         };
         let learned_foreign = !report.foreign.is_empty();
         for (ours, theirs) in &report.foreign {
@@ -229,8 +236,10 @@ impl<A: EntryApi> Controller<A> {
             &self.view.entries,
             &report.failures,
             &mut self.memory,
+            None,
         );
-        let patch_failed = self.write_workloads(&deployments, &desired, writes).await;
+        writer.spawn(&desired, writes);
+        let patch_failed = writer.finish().await;
         let outcome = Outcome {
             desired: &desired,
             plan: &plan,
@@ -283,11 +292,71 @@ impl<A: EntryApi> Controller<A> {
         false
     }
 
-    async fn apply(&mut self, plan: &SpirePlan) -> ApplyReport {
-        let report = self
-            .view
-            .apply(self.api.as_ref(), &self.settings.ownership, plan)
-            .await;
+    /// Applies the SPIRE writes: creates in chunks, each chunk's Deployments handed to the
+    /// writer as soon as their entries exist (so annotating overlaps the next chunk), then
+    /// updates and deletes (after every create: make-before-break within one sync).
+    async fn apply(
+        &mut self,
+        plan: &SpirePlan,
+        desired: &Desired,
+        writer: &mut WorkloadWriter,
+    ) -> ApplyReport {
+        let mut report = ApplyReport::default();
+        // Our IDs whose entries were edited behind our back: deleted first, so their
+        // replacement can take the ID.
+        let creating: BTreeSet<&String> = plan.create.iter().map(|e| &e.id).collect();
+        let (first, later): (Vec<Entry>, Vec<Entry>) = plan
+            .delete
+            .iter()
+            .cloned()
+            .partition(|e| creating.contains(&e.id));
+        if !first.is_empty() {
+            let part = SpirePlan {
+                delete: first,
+                ..SpirePlan::default()
+            };
+            let done = self
+                .view
+                .apply(self.api.as_ref(), &self.settings.ownership, &part)
+                .await;
+            report.absorb(done);
+        }
+        for chunk in plan.create.chunks(CREATE_CHUNK) {
+            let part = SpirePlan {
+                create: chunk.to_vec(),
+                ..SpirePlan::default()
+            };
+            let done = self
+                .view
+                .apply(self.api.as_ref(), &self.settings.ownership, &part)
+                .await;
+            let scope: BTreeSet<SaKey> = chunk.iter().filter_map(SaKey::of_entry).collect();
+            report.absorb(done);
+            if failpoint("pause-after-create") {
+                continue;
+            }
+            let writes = decide::workload_writes(
+                desired,
+                plan,
+                &self.view.entries,
+                &report.failures,
+                &mut self.memory,
+                Some(&scope),
+            );
+            writer.spawn(desired, writes);
+        }
+        let rest = SpirePlan {
+            update: plan.update.clone(),
+            delete: later,
+            ..SpirePlan::default()
+        };
+        if rest.writes() > 0 {
+            let done = self
+                .view
+                .apply(self.api.as_ref(), &self.settings.ownership, &rest)
+                .await;
+            report.absorb(done);
+        }
         if !plan.create.is_empty() && failpoint("pause-after-create") {
             // Crash tests: stop between writing entries and recording them; the test SIGKILLs
             // the process here.
@@ -335,63 +404,6 @@ impl<A: EntryApi> Controller<A> {
         self.metrics
             .deletion_brake
             .set(i64::from(plan.brake.is_some()));
-    }
-
-    /// Patches and Events for Deployments, concurrently. Returns true when a patch failed
-    /// (the sync is then retried).
-    async fn write_workloads(
-        &self,
-        deployments: &[Arc<Deployment>],
-        desired: &Desired,
-        writes: Vec<WorkloadWrite>,
-    ) -> bool {
-        let by_key: HashMap<DeploymentKey, &Arc<Deployment>> =
-            deployments.iter().map(|d| (key_of(d), d)).collect();
-        let mut jobs = Vec::with_capacity(writes.len());
-        for write in writes {
-            let Some(deployment) = by_key.get(&write.key) else {
-                continue;
-            };
-            if let Some(change) = &write.change.entry_id
-                && change.is_some()
-            {
-                let namespace = write.key.namespace.as_str();
-                info!(deployment = %write.key.name, %namespace, entry_id = ?change, "registered");
-            }
-            if write.registered {
-                self.metrics
-                    .registrations
-                    .with_label_values(&[&write.key.namespace])
-                    .inc();
-                if let Some(created) = desired.workloads.get(&write.key).and_then(|w| w.created) {
-                    let age = k8s_openapi::jiff::Timestamp::now().duration_since(created);
-                    self.metrics
-                        .admission_to_registered
-                        .observe(age.as_secs_f64().max(0.0));
-                }
-            }
-            if write
-                .announce
-                .iter()
-                .any(|a| a.reason == "RegistrationFailed")
-            {
-                self.metrics
-                    .errors
-                    .with_label_values(&[&write.key.namespace])
-                    .inc();
-            }
-            jobs.push(write_workload(
-                &self.client,
-                &self.recorder,
-                (*deployment).clone(),
-                write.change,
-                write.announce,
-            ));
-        }
-        futures::stream::iter(jobs)
-            .buffer_unordered(PATCH_CONCURRENCY)
-            .fold(false, |any, failed| async move { any || failed })
-            .await
     }
 
     /// True the first time `note` is published for (`object`, `reason`).

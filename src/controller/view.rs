@@ -27,6 +27,16 @@ pub struct ApplyReport {
 }
 
 impl ApplyReport {
+    /// Folds the report of a later part of the same sync into this one.
+    pub fn absorb(&mut self, other: ApplyReport) {
+        self.failures.extend(other.failures);
+        self.foreign.extend(other.foreign);
+        self.rejected.extend(other.rejected);
+        self.created += other.created;
+        self.updated += other.updated;
+        self.deleted += other.deleted;
+    }
+
     pub fn has_retryable(&self) -> bool {
         self.failures.values().any(ItemError::is_retryable)
     }

@@ -18,6 +18,7 @@ pub mod paths;
 pub mod process;
 pub mod registrar;
 pub mod sampler;
+pub mod scale;
 pub mod spire;
 pub mod stack;
 pub mod world;

@@ -163,6 +163,7 @@ impl World {
             &self.observed,
             failures,
             &mut self.memory,
+            None,
         )
     }
 }
@@ -739,4 +740,18 @@ fn a_terminating_namespace_releases_its_deployments_without_events() {
     let writes = w.writes(&plan, &Failures::new());
     assert!(writes[0].change.remove_finalizer);
     assert!(writes[0].announce.is_empty(), "Events are refused there");
+}
+
+#[test]
+fn an_entry_of_ours_edited_behind_our_back_is_replaced() {
+    let mut w = World::new();
+    let e = w.needs("a", "api", &["web"], "spiffe://td/p");
+    let tampered = Entry {
+        selectors: vec![Selector::new("k8s", "ns:other")],
+        ..e.clone()
+    };
+    w.in_spire(&tampered);
+    let plan = w.decide(0);
+    assert_eq!(plan.delete, vec![tampered]);
+    assert_eq!(plan.create, vec![e]);
 }

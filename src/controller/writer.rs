@@ -1,0 +1,115 @@
+//! The Deployment writer: applies `decide::workload_writes` output (patches and Events) in
+//! background tasks, at most `PATCH_CONCURRENCY` at once, so annotations for one SPIRE batch
+//! go out while the next batch is still in flight.
+
+use super::decide::WorkloadWrite;
+use super::desired::{DeploymentKey, Desired, key_of};
+use super::metrics::ControllerMetrics;
+use super::record::write_workload;
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::Client;
+use kube::runtime::events::Recorder;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tracing::info;
+
+/// Deployment patches and Events in flight at once.
+const PATCH_CONCURRENCY: usize = 16;
+
+pub struct WorkloadWriter {
+    client: Client,
+    recorder: Recorder,
+    metrics: ControllerMetrics,
+    /// The cached objects the writes are computed against (patches test what they rely on).
+    deployments: HashMap<DeploymentKey, Arc<Deployment>>,
+    /// Deployments already handed a write this sync: a later, wider pass computed from the
+    /// same cache would only repeat it.
+    written: HashSet<DeploymentKey>,
+    permits: Arc<Semaphore>,
+    tasks: JoinSet<bool>,
+}
+
+impl WorkloadWriter {
+    pub fn new(
+        client: Client,
+        recorder: Recorder,
+        metrics: ControllerMetrics,
+        deployments: &[Arc<Deployment>],
+    ) -> Self {
+        Self {
+            client,
+            recorder,
+            metrics,
+            deployments: deployments.iter().map(|d| (key_of(d), d.clone())).collect(),
+            written: HashSet::new(),
+            permits: Arc::new(Semaphore::new(PATCH_CONCURRENCY)),
+            tasks: JoinSet::new(),
+        }
+    }
+
+    /// Starts `writes` (skipping Deployments already written this sync).
+    pub fn spawn(&mut self, desired: &Desired, writes: Vec<WorkloadWrite>) {
+        for write in writes {
+            if !self.written.insert(write.key.clone()) {
+                continue;
+            }
+            let Some(deployment) = self.deployments.get(&write.key).cloned() else {
+                continue;
+            };
+            self.count(desired, &write);
+            let (client, recorder) = (self.client.clone(), self.recorder.clone());
+            let permits = self.permits.clone();
+            let registrations = self
+                .metrics
+                .registrations
+                .with_label_values(&[write.key.namespace.as_str()]);
+            self.tasks.spawn(async move {
+                let _permit = permits
+                    .acquire_owned()
+                    .await
+                    .expect("the writer's semaphore is never closed");
+                let failed =
+                    write_workload(&client, &recorder, deployment, write.change, write.announce)
+                        .await;
+                // Counted once the entry-id is on the object, not when it is decided.
+                if write.registered && !failed {
+                    registrations.inc();
+                }
+                failed
+            });
+        }
+    }
+
+    fn count(&self, desired: &Desired, write: &WorkloadWrite) {
+        let namespace = write.key.namespace.as_str();
+        if let Some(Some(entry_id)) = &write.change.entry_id {
+            info!(deployment = %write.key.name, %namespace, %entry_id, "registered");
+        }
+        if write.registered
+            && let Some(created) = desired.workloads.get(&write.key).and_then(|w| w.created)
+        {
+            let age = k8s_openapi::jiff::Timestamp::now().duration_since(created);
+            self.metrics
+                .admission_to_registered
+                .observe(age.as_secs_f64().max(0.0));
+        }
+        if write
+            .announce
+            .iter()
+            .any(|a| a.reason == "RegistrationFailed")
+        {
+            self.metrics.errors.with_label_values(&[namespace]).inc();
+        }
+    }
+
+    /// Waits for every write; true when a patch failed (the sync is then retried).
+    pub async fn finish(mut self) -> bool {
+        let mut failed = false;
+        while let Some(result) = self.tasks.join_next().await {
+            failed |= result.unwrap_or(true);
+        }
+        failed
+    }
+}

@@ -1,0 +1,381 @@
+//! The scale benchmark (issue 11), shared by `cargo run --release --example scale` (the
+//! numbers in the README) and a small-N test (so it cannot rot).
+//!
+//! Realistic Deployments (kubectl's `last-applied-configuration`, ~4 KB each, two per service
+//! account, 50 namespaces) exist first, under kube-controller-manager; then the registrar
+//! starts, so convergence is a cold start with no load generator in the figure.
+
+use super::k8s::{create_namespace, create_webhook_configuration, install_crd, policy};
+use super::paths::free_port;
+use super::registrar::{Options, Registrar};
+use super::sampler::spire_client;
+use super::stack::Stack;
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{
+    DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
+};
+use kube::{Api, Client};
+use serde_json::{Value, json};
+use spiffe_registrar::policy::SpiffeRegistration;
+use spiffe_registrar::spire::client::{ClientSettings, GrpcEntryClient};
+use spiffe_registrar::spire::metrics::SpireMetrics;
+use spiffe_registrar::spire::proto::entry::CountEntriesRequest;
+use spiffe_registrar::spire::proto::entry::count_entries_request::Filter;
+use spiffe_registrar::spire::{Entry, EntryApi, Ownership, Selector, SpireEndpoint, connect};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub const NAMESPACES: usize = 50;
+const CLUSTER: &str = "scale";
+const WAIT: Duration = Duration::from_secs(3600);
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub deployments: usize,
+    /// How long to count SPIRE calls at rest (the README's figure uses 300 s).
+    pub rest: Duration,
+}
+
+fn progress(what: &str) {
+    eprintln!("[scale] {what}");
+}
+
+/// A Deployment as `kubectl apply` leaves it: ~4 KB of last-applied-configuration.
+fn realistic(name: &str, service_account: &str) -> Deployment {
+    let env: Vec<Value> = (0..40)
+        .map(|i| json!({ "name": format!("SETTING_{i:02}"), "value": format!("value-{i:02}-{}", "x".repeat(48)) }))
+        .collect();
+    let mut object = json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": { "name": name, "labels": { "app": name, "tier": "backend" } },
+        "spec": {
+            "replicas": 1,
+            "selector": { "matchLabels": { "app": name } },
+            "template": {
+                "metadata": { "labels": { "app": name, "tier": "backend" } },
+                "spec": {
+                    "serviceAccountName": service_account,
+                    "containers": [{ "name": "app", "image": "registry.invalid/app:1", "env": env }]
+                }
+            }
+        }
+    });
+    let applied = serde_json::to_string(&object).expect("serializes");
+    object["metadata"]["annotations"] =
+        json!({ "kubectl.kubernetes.io/last-applied-configuration": applied });
+    serde_json::from_value(object).expect("a Deployment")
+}
+
+fn namespace_of(i: usize) -> String {
+    format!("scale-{}", (i / 2) % NAMESPACES)
+}
+
+async fn create_all(client: &Client, range: std::ops::Range<usize>) {
+    futures::stream::iter(range)
+        .for_each_concurrent(32, |i| {
+            let api: Api<Deployment> = Api::namespaced(client.clone(), &namespace_of(i));
+            async move {
+                let d = realistic(&format!("d{i}"), &format!("sa{}", i / 2));
+                api.create(&PostParams::default(), &d)
+                    .await
+                    .expect("create");
+            }
+        })
+        .await;
+}
+
+fn proc_field(pid: i32, key: &str) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map(|kib| kib / 1024.0)
+        .unwrap_or(f64::NAN)
+}
+
+/// User + system CPU seconds of `pid`.
+fn cpu_seconds(pid: i32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // After the command: state is field 0, utime 11, stime 12 (clock ticks, 100 per second).
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+async fn count_ours(socket: &std::path::Path) -> i32 {
+    let mut client = spire_client(socket).await;
+    client
+        .count_entries(CountEntriesRequest {
+            filter: Some(Filter {
+                by_hint: Some(format!("spiffe-registrar/{CLUSTER}")),
+                ..Default::default()
+            }),
+        })
+        .await
+        .map(|r| r.into_inner().count)
+        .unwrap_or(-1)
+}
+
+/// Polls `probe` every 100 ms until it is true; the elapsed time since `from`.
+async fn until(what: &str, from: Instant, mut probe: impl AsyncFnMut() -> bool) -> f64 {
+    let mut last = Instant::now();
+    loop {
+        if probe().await {
+            return from.elapsed().as_secs_f64();
+        }
+        assert!(from.elapsed() < WAIT, "timed out waiting for {what}");
+        if last.elapsed() > Duration::from_secs(10) {
+            progress(&format!(
+                "waiting for {what} ({:.0} s)",
+                from.elapsed().as_secs_f64()
+            ));
+            last = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The raw SPIRE limit: batch-creating `count` entries with our client, no registrar involved.
+async fn raw_create_seconds(socket: &std::path::Path, count: usize) -> f64 {
+    let endpoint = SpireEndpoint::Unix {
+        socket: socket.to_path_buf(),
+    };
+    let connection = connect(&endpoint, Duration::from_secs(10))
+        .await
+        .expect("connect");
+    let ownership = Ownership::new("raw").expect("valid");
+    let settings = ClientSettings {
+        requests_per_second: 0.0,
+        ..ClientSettings::default()
+    };
+    let client = GrpcEntryClient::new(
+        connection.channel.clone(),
+        ownership.clone(),
+        settings,
+        SpireMetrics::unregistered(),
+    );
+    let entries: Vec<Entry> = (0..count)
+        .map(|i| {
+            let selectors = vec![
+                Selector::new("k8s", "ns:raw"),
+                Selector::new("k8s", format!("sa:raw{i}")),
+            ];
+            let spiffe_id = format!("spiffe://example.org/raw/{i}");
+            Entry {
+                id: ownership.entry_id(&spiffe_id, "spiffe://example.org/k8s/raw", &selectors),
+                spiffe_id,
+                parent_id: "spiffe://example.org/k8s/raw".into(),
+                selectors,
+                x509_svid_ttl: 3600,
+                hint: ownership.hint().into(),
+                ..Entry::default()
+            }
+        })
+        .collect();
+    let started = Instant::now();
+    let created = client.create(entries.clone()).await;
+    let seconds = started.elapsed().as_secs_f64();
+    assert!(created.iter().all(Result::is_ok), "raw creates failed");
+    client.delete(entries).await;
+    seconds
+}
+
+/// Runs the benchmark; returns the JSON object the example prints.
+pub async fn run(config: Config) -> Value {
+    let Config { deployments, rest } = config;
+    let service_accounts = deployments.div_ceil(2);
+    let stack = Arc::new(
+        tokio::task::spawn_blocking(Stack::start)
+            .await
+            .expect("stack"),
+    );
+    let socket = stack.spire_server.socket.clone();
+    let client = stack.kube.client().await;
+    install_crd(&client).await;
+    create_namespace(&client, "registrar-system", false).await;
+    let spec = json!({ "trustDomain": "example.org", "parentID": "spiffe://example.org/k8s/scale", "ttl": "1h" });
+    Api::<SpiffeRegistration>::all(client.clone())
+        .create(&PostParams::default(), &policy("scale", spec))
+        .await
+        .expect("policy");
+    for n in 0..NAMESPACES {
+        create_namespace(&client, &format!("scale-{n}"), true).await;
+    }
+
+    progress(&format!(
+        "raw SPIRE batch create of {service_accounts} entries"
+    ));
+    let raw_create_s = raw_create_seconds(&socket, service_accounts).await;
+
+    progress(&format!(
+        "creating {deployments} Deployments (no registrar yet)"
+    ));
+    let created = Instant::now();
+    create_all(&client, 0..deployments).await;
+    progress(&format!(
+        "created in {:.1} s",
+        created.elapsed().as_secs_f64()
+    ));
+
+    // Cold start: the webhook configuration and the registrar arrive now.
+    let port = free_port();
+    create_webhook_configuration(&client, "scale", port).await;
+    let started = Instant::now();
+    let registrar = {
+        let stack = stack.clone();
+        tokio::task::spawn_blocking(move || {
+            Registrar::start_on(
+                &stack,
+                port,
+                Options {
+                    namespace: "registrar-system",
+                    webhook_configuration: "scale",
+                    cluster_name: CLUSTER,
+                    name: "registrar",
+                    extra_args: vec!["--spire-rps=0".into(), "--resync-interval=1h".into()],
+                    extra_env: vec![("RUST_LOG".into(), "info".into())],
+                },
+            )
+        })
+        .await
+        .expect("registrar")
+    };
+    stack.track(registrar.process.pgid());
+    let pid = registrar.process.pgid();
+    let registered = |n: usize| {
+        let registrar = &registrar;
+        async move || registrar.metric("spiffe_registration_total", &[]) >= n as f64
+    };
+    let entries_s = until("every entry", started, async || {
+        count_ours(&socket).await == service_accounts as i32
+    })
+    .await;
+    progress(&format!("entries after {entries_s:.1} s"));
+    let annotations_s = until("every entry-id", started, registered(deployments)).await;
+    progress(&format!("annotations after {annotations_s:.1} s"));
+
+    let extra = (deployments / 10).max(1);
+    let live = Instant::now();
+    create_all(&client, deployments..deployments + extra).await;
+    let live_annotations_s = until(
+        "the live Deployments' entry-ids",
+        live,
+        registered(deployments + extra),
+    )
+    .await;
+    let total = deployments + extra;
+
+    // A rollout of every Deployment: kube-controller-manager rewrites each status several
+    // times; a watch counts those updates, /proc counts our CPU.
+    let all: Api<Deployment> = Api::all(client.clone());
+    let version = all
+        .list_metadata(&ListParams::default().limit(1))
+        .await
+        .expect("list")
+        .metadata
+        .resource_version
+        .expect("a list version");
+    let mut watch = all
+        .watch(&WatchParams::default(), &version)
+        .await
+        .expect("watch")
+        .boxed();
+    let cpu_before = cpu_seconds(pid);
+    let rollout = Instant::now();
+    futures::stream::iter(0..total)
+        .for_each_concurrent(32, |i| {
+            let api: Api<Deployment> = Api::namespaced(client.clone(), &namespace_of(i));
+            async move {
+                let patch = json!({ "spec": { "template": { "metadata": { "annotations": { "rollout": "2" } } } } });
+                api.patch(&format!("d{i}"), &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .expect("rollout");
+            }
+        })
+        .await;
+    let mut updates = 0usize;
+    let mut observed = std::collections::HashSet::new();
+    while observed.len() < total || rollout.elapsed() < Duration::from_secs(5) {
+        let next = tokio::time::timeout(Duration::from_secs(10), watch.next()).await;
+        let Ok(Some(Ok(WatchEvent::Modified(d)))) = next else {
+            if next.is_err() {
+                break;
+            }
+            continue;
+        };
+        updates += 1;
+        let done = d.status.as_ref().and_then(|s| s.observed_generation) == d.metadata.generation;
+        if done {
+            observed.insert(d.metadata.uid.clone());
+        }
+    }
+    let cpu = cpu_seconds(pid) - cpu_before;
+    let cpu_s_per_1000_status_updates = cpu * 1000.0 / updates.max(1) as f64;
+    progress(&format!("rollout: {updates} updates, {cpu:.2} CPU s"));
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let steady_rss_mib = proc_field(pid, "VmRSS:");
+    let calls = registrar.spire_calls();
+    progress(&format!("at rest for {} s", rest.as_secs()));
+    tokio::time::sleep(rest).await;
+    let spire_calls_per_min_at_rest = (registrar.spire_calls() - calls) * 60.0 / rest.as_secs_f64();
+
+    // Namespace deletion: whole namespaces until 5,000 Deployments (or all) are covered.
+    let per_namespace = total.div_ceil(NAMESPACES).max(1);
+    let doomed = (5_000.min(total)).div_ceil(per_namespace).min(NAMESPACES);
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let deleting = Instant::now();
+    for n in 0..doomed {
+        namespaces
+            .delete(&format!("scale-{n}"), &DeleteParams::default())
+            .await
+            .expect("delete namespace");
+    }
+    let namespace_delete_s = until("the namespaces to go", deleting, async || {
+        for n in 0..doomed {
+            if namespaces
+                .get_opt(&format!("scale-{n}"))
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+            {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+    let peak_rss_mib = proc_field(pid, "VmHWM:");
+    let report = json!({
+        "deployments": deployments,
+        "entries": service_accounts,
+        "entries_s": entries_s,
+        "annotations_s": annotations_s,
+        "live_annotations_s": live_annotations_s,
+        "raw_create_s": raw_create_s,
+        "ratio_to_raw": annotations_s / raw_create_s,
+        "peak_rss_mib": peak_rss_mib,
+        "steady_rss_mib": steady_rss_mib,
+        "cpu_s_per_1000_status_updates": cpu_s_per_1000_status_updates,
+        "status_updates": updates,
+        "spire_calls_per_min_at_rest": spire_calls_per_min_at_rest,
+        "namespace_delete_s": namespace_delete_s,
+        "namespaces_deleted": doomed,
+        "datastore": "sqlite",
+    });
+    drop(registrar);
+    report
+}

@@ -1,0 +1,38 @@
+//! The scale benchmark at a small N, so it cannot rot; the large runs are in the README.
+
+mod common;
+
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_scale_benchmark_runs_and_reports_every_figure() {
+    let report = common::scale::run(common::scale::Config {
+        deployments: 200,
+        rest: Duration::from_secs(10),
+    })
+    .await;
+    eprintln!("{report}");
+    assert_eq!(report["entries"], 100);
+    for key in [
+        "entries_s",
+        "annotations_s",
+        "live_annotations_s",
+        "raw_create_s",
+        "ratio_to_raw",
+        "peak_rss_mib",
+        "steady_rss_mib",
+        "cpu_s_per_1000_status_updates",
+        "namespace_delete_s",
+    ] {
+        let value = report[key].as_f64().unwrap_or(f64::NAN);
+        assert!(value.is_finite() && value > 0.0, "{key} = {value}");
+    }
+    assert!(
+        report["status_updates"].as_u64().unwrap_or(0) >= 220,
+        "{report}"
+    );
+    assert_eq!(
+        report["spire_calls_per_min_at_rest"], 0.0,
+        "no SPIRE call at rest"
+    );
+}
