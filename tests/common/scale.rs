@@ -293,7 +293,6 @@ pub async fn run(config: Config) -> Value {
         .expect("watch")
         .boxed();
     let cpu_before = cpu_seconds(pid);
-    let rollout = Instant::now();
     futures::stream::iter(0..total)
         .for_each_concurrent(32, |i| {
             let api: Api<Deployment> = Api::namespaced(client.clone(), &namespace_of(i));
