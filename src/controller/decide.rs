@@ -337,6 +337,18 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
     memory
         .present_since
         .retain(|id, _| observed.contains_key(id) || serving.contains(id));
+    let Memory {
+        policy_of,
+        rejected,
+        foreign,
+        ..
+    } = memory;
+    policy_of.retain(|id, _| {
+        observed.contains_key(id)
+            || serving.contains(id)
+            || rejected.contains_key(id)
+            || foreign.contains_key(id)
+    });
     brake(
         settings,
         observed.len(),

@@ -160,18 +160,7 @@ impl<A: EntryApi> Controller<A> {
     }
 
     fn desired(&self) -> (Desired, Vec<Arc<Deployment>>, Vec<Arc<SpiffeRegistration>>) {
-        let deployments = self.index.deployments.state();
-        let policies = self.index.policies.state();
-        let index = self.index.clone();
-        let namespaces = move |ns: &str| index.namespace_info(ns);
-        let desired = desired::compute(
-            &self.settings.ownership,
-            &self.settings.opt_in,
-            &deployments,
-            &namespaces,
-            &policies,
-        );
-        (desired, deployments, policies)
+        snapshot(&self.settings, &self.index)
     }
 
     fn decide(&mut self, desired: &Desired) -> SpirePlan {
@@ -501,12 +490,11 @@ fn failpoint(name: &str) -> bool {
         == Some(name)
 }
 
-/// Desired state and the decision a fresh leader would take now, for `spiffe-registrar plan`.
-pub fn plan_against(
+/// The caches' current contents and the desired state derived from them.
+fn snapshot(
     settings: &ControllerSettings,
     index: &Index,
-    observed: &BTreeMap<String, crate::spire::Entry>,
-) -> (Desired, SpirePlan) {
+) -> (Desired, Vec<Arc<Deployment>>, Vec<Arc<SpiffeRegistration>>) {
     let deployments = index.deployments.state();
     let policies = index.policies.state();
     let namespaces = |ns: &str| -> Option<NamespaceInfo> { index.namespace_info(ns) };
@@ -517,6 +505,16 @@ pub fn plan_against(
         &namespaces,
         &policies,
     );
+    (desired, deployments, policies)
+}
+
+/// Desired state and the decision a fresh leader would take now, for `spiffe-registrar plan`.
+pub fn plan_against(
+    settings: &ControllerSettings,
+    index: &Index,
+    observed: &BTreeMap<String, crate::spire::Entry>,
+) -> (Desired, SpirePlan) {
+    let (desired, _, _) = snapshot(settings, index);
     let input = decide::Input {
         ownership: &settings.ownership,
         settings: &settings.decide,
