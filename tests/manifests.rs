@@ -6,7 +6,7 @@
 mod common;
 
 use common::Stack;
-use common::k8s::{create_namespace, deployment, eventually, policy};
+use common::k8s::{create_namespace, deployment, eventually, policy, token_kubeconfig};
 use common::process::run;
 use common::registrar::{Options, Registrar};
 use common::stack::kubectl_ok;
@@ -161,14 +161,4 @@ async fn manifests_apply_and_their_rbac_is_enough_to_register() {
     drop(registrar);
     drop(_logs);
     tokio::task::block_in_place(|| stack.stop());
-}
-
-fn token_kubeconfig(url: &str, ca_pem: &str, token: &str) -> String {
-    use base64::Engine;
-    let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
-    format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    certificate-authority-data: {ca}\n\
-         users:\n- name: registrar\n  user:\n    token: {token}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: registrar\n\
-         current-context: test\n"
-    )
 }

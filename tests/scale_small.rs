@@ -1,4 +1,6 @@
-//! The scale benchmark at a small N, so it cannot rot; the large runs are in the README.
+//! The scale benchmark at a small N, so it cannot rot; the large runs are in the README. It
+//! runs on PostgreSQL, so that test-bed option cannot rot either (every other test bed uses
+//! SQLite).
 
 mod common;
 
@@ -9,10 +11,12 @@ async fn the_scale_benchmark_runs_and_reports_every_figure() {
     let report = common::scale::run(common::scale::Config {
         deployments: 200,
         rest: Duration::from_secs(10),
+        datastore: common::scale::Datastore::Postgres,
     })
     .await;
     eprintln!("{report}");
     assert_eq!(report["entries"], 100);
+    assert_eq!(report["datastore"], "postgres");
     for key in [
         "entries_s",
         "annotations_s",

@@ -31,7 +31,7 @@ impl PolicyView for FixedView {
     fn ownership(&self) -> &Ownership {
         &self.ownership
     }
-    fn sibling_labels(&self, _: &str, _: &str, _: &str) -> Vec<BTreeMap<String, String>> {
+    fn sibling_labels(&self, _: &str, _: &str, _: &str) -> Vec<spiffe_registrar::policy::Labels> {
         Vec::new()
     }
     fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>> {

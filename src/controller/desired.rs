@@ -10,15 +10,12 @@
 //! Deployments of one service account apart, so the policy is chosen per service account and
 //! its entry is shared (the ref-count is the set of live Deployments running as it).
 
+use crate::index::DeploymentRecord;
 pub use crate::index::NamespaceInfo;
-use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
 use crate::policy::render::validate;
 use crate::policy::select::validate_selectors;
-use crate::policy::{
-    OptIn, Resolution, SpiffeRegistration, labels_of, resolve, service_account_of,
-};
+use crate::policy::{OptIn, Resolution, SpiffeRegistration, resolve};
 use crate::spire::{Entry, Ownership, Selector};
-use k8s_openapi::api::apps::v1::Deployment;
 use kube::ResourceExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -135,13 +132,6 @@ impl Desired {
     }
 }
 
-pub fn key_of(deployment: &Deployment) -> DeploymentKey {
-    DeploymentKey {
-        namespace: deployment.namespace().unwrap_or_default(),
-        name: deployment.name_any(),
-    }
-}
-
 /// Why a policy is not usable at all, if it is not: (reason, message).
 pub fn policy_problem(policy: &SpiffeRegistration) -> Option<(&'static str, String)> {
     if let Err(error) = validate_selectors(policy) {
@@ -152,15 +142,11 @@ pub fn policy_problem(policy: &SpiffeRegistration) -> Option<(&'static str, Stri
         .map(|error| (error.reason(), error.to_string()))
 }
 
-fn annotation(deployment: &Deployment, key: &str) -> Option<String> {
-    deployment.metadata.annotations.as_ref()?.get(key).cloned()
-}
-
 /// Derives desired state from a snapshot of the caches.
 pub fn compute(
     ownership: &Ownership,
     opt_in: &OptIn,
-    deployments: &[Arc<Deployment>],
+    deployments: &[Arc<DeploymentRecord>],
     namespaces: &dyn Fn(&str) -> Option<NamespaceInfo>,
     policies: &[Arc<SpiffeRegistration>],
 ) -> Desired {
@@ -175,19 +161,16 @@ pub fn compute(
                 .insert(policy.name_any(), (reason, message));
         }
     }
-    let mut live: BTreeMap<SaKey, Vec<(DeploymentKey, &Deployment)>> = BTreeMap::new();
+    let mut live: BTreeMap<SaKey, Vec<(DeploymentKey, &DeploymentRecord)>> = BTreeMap::new();
     let mut namespace_cache: BTreeMap<String, Option<NamespaceInfo>> = BTreeMap::new();
     for deployment in deployments {
-        let key = key_of(deployment);
+        let key = deployment.key();
         let namespace = namespace_cache
             .entry(key.namespace.clone())
             .or_insert_with(|| namespaces(&key.namespace));
-        let sa = SaKey {
-            namespace: key.namespace.clone(),
-            service_account: service_account_of(deployment).to_string(),
-        };
+        let sa = deployment.service_account_key();
         let namespace_terminating = namespace.as_ref().is_some_and(|ns| ns.terminating);
-        let deleting = deployment.metadata.deletion_timestamp.is_some() || namespace_terminating;
+        let deleting = deployment.deleting || namespace_terminating;
         if !deleting {
             live.entry(sa.clone())
                 .or_default()
@@ -199,15 +182,10 @@ pub fn compute(
                 service_account: sa,
                 deleting,
                 namespace_terminating,
-                has_finalizer: deployment
-                    .metadata
-                    .finalizers
-                    .iter()
-                    .flatten()
-                    .any(|f| f == FINALIZER),
-                spiffe_id: annotation(deployment, SPIFFE_ID_ANNOTATION),
-                entry_id: annotation(deployment, ENTRY_ID_ANNOTATION),
-                created: deployment.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                has_finalizer: deployment.has_finalizer(),
+                spiffe_id: deployment.spiffe_id().map(str::to_string),
+                entry_id: deployment.entry_id().map(str::to_string),
+                created: deployment.created,
             },
         );
     }
@@ -222,7 +200,7 @@ pub fn compute(
             &sa.namespace,
             labels.as_ref(),
             &sa.service_account,
-            members.iter().map(|(_, d)| labels_of(d)),
+            members.iter().map(|(_, d)| &d.labels),
             policies.iter().map(Arc::as_ref),
         );
         let keys: BTreeSet<DeploymentKey> = members.into_iter().map(|(k, _)| k).collect();
@@ -302,7 +280,7 @@ fn refuse_shared_ids(desired: &mut Desired) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testing::{mk_deployment, mk_policy, mk_selector};
+    use crate::policy::testing::{mk_deployment, mk_policy, mk_selector, recorded};
 
     fn enabled(ns: &str) -> Option<NamespaceInfo> {
         (ns != "off").then(|| NamespaceInfo {
@@ -321,11 +299,11 @@ mod tests {
     #[test]
     fn shared_service_accounts_share_one_refcounted_entry() {
         let o = Ownership::new("c").expect("valid");
-        let deployments: Vec<Arc<Deployment>> = vec![
-            Arc::new(mk_deployment("a", "web", Some("api"), &[])),
-            Arc::new(mk_deployment("a", "worker", Some("api"), &[])),
-            Arc::new(mk_deployment("a", "db", None, &[])),
-            Arc::new(mk_deployment("off", "x", None, &[])),
+        let deployments: Vec<Arc<DeploymentRecord>> = vec![
+            recorded(mk_deployment("a", "web", Some("api"), &[])),
+            recorded(mk_deployment("a", "worker", Some("api"), &[])),
+            recorded(mk_deployment("a", "db", None, &[])),
+            recorded(mk_deployment("off", "x", None, &[])),
         ];
         let policies = vec![Arc::new(mk_policy("p", 1, |_| {}))];
         let desired = compute(&o, &OptIn::default(), &deployments, &enabled, &policies);
@@ -351,9 +329,9 @@ mod tests {
                 k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
             ));
         let deployments = vec![
-            Arc::new(leaving),
-            Arc::new(mk_deployment("a", "worker", Some("api"), &[])),
-            Arc::new(mk_deployment("dying", "x", None, &[])),
+            recorded(leaving),
+            recorded(mk_deployment("a", "worker", Some("api"), &[])),
+            recorded(mk_deployment("dying", "x", None, &[])),
         ];
         let policies = vec![Arc::new(mk_policy("p", 1, |_| {}))];
         let desired = compute(&o, &OptIn::default(), &deployments, &enabled, &policies);
@@ -373,8 +351,8 @@ mod tests {
     fn one_policy_per_service_account_even_when_deployments_match_different_ones() {
         let o = Ownership::new("c").expect("valid");
         let deployments = vec![
-            Arc::new(mk_deployment("a", "web", Some("api"), &[("app", "web")])),
-            Arc::new(mk_deployment("a", "cron", Some("api"), &[("app", "cron")])),
+            recorded(mk_deployment("a", "web", Some("api"), &[("app", "web")])),
+            recorded(mk_deployment("a", "cron", Some("api"), &[("app", "cron")])),
         ];
         let policies = vec![
             Arc::new(mk_policy("for-web", 1, |s| {
@@ -413,7 +391,7 @@ mod tests {
         let desired = compute(
             &o,
             &OptIn::default(),
-            &[Arc::new(mk_deployment("a", "web", None, &[]))],
+            &[recorded(mk_deployment("a", "web", None, &[]))],
             &enabled,
             &[Arc::new(typo), Arc::new(swapped)],
         );

@@ -26,6 +26,9 @@ pub struct ControllerMetrics {
     /// `spire_equivalent_foreign_entries_total`: equivalent entries found owned by another
     /// writer (each reported once per resync).
     pub foreign: IntCounter,
+    /// `events_dropped_total`: Events not written because the queue was full (advisory, as
+    /// in Kubernetes' own event broadcaster).
+    pub events_dropped: IntCounter,
 }
 
 impl ControllerMetrics {
@@ -81,6 +84,11 @@ impl ControllerMetrics {
             "spire_equivalent_foreign_entries_total",
             "Equivalent entries found owned by another writer",
         )?;
+        let events_dropped = IntCounter::new(
+            "events_dropped_total",
+            "Events not written because the event queue was full",
+        )?;
+        registry.register(Box::new(events_dropped.clone()))?;
         registry.register(Box::new(pending_deletions.clone()))?;
         registry.register(Box::new(deletion_brake.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
@@ -100,6 +108,7 @@ impl ControllerMetrics {
             deletion_brake,
             rejected,
             foreign,
+            events_dropped,
         })
     }
 }

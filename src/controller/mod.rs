@@ -11,6 +11,7 @@
 
 pub mod decide;
 pub mod desired;
+pub mod events;
 pub mod metrics;
 pub mod record;
 pub mod status;

@@ -3,11 +3,12 @@
 //! cache can never clobber someone else's change, while kube-controller-manager's status writes
 //! never make our patch fail), Events, and policy status.
 
+use super::events::EventSink;
+use crate::index::DeploymentRecord;
 use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Patch, PatchParams};
-use kube::runtime::events::{Event, EventType, Recorder};
-use kube::{Api, Client, Resource, ResourceExt};
+use kube::{Api, Client, Resource};
 use serde_json::{Value, json};
 use std::sync::Arc;
 
@@ -35,35 +36,43 @@ fn escape(key: &str) -> String {
 /// `test` of what it relies on: the finalizer list it edits by index or appends to, and, when
 /// it creates the annotation map or finalizer list, the whole object's resourceVersion (an
 /// `add` of an existing map would replace it). Status and other fields may change meanwhile.
-pub fn operations(deployment: &Deployment, change: &MetadataChange) -> Vec<Value> {
+pub fn operations(deployment: &DeploymentRecord, change: &MetadataChange) -> Vec<Value> {
     let mut ops = Vec::new();
     let mut guard_version = false;
-    let finalizers = deployment.metadata.finalizers.clone().unwrap_or_default();
-    let add = change.add_finalizer && !finalizers.iter().any(|f| f == FINALIZER);
-    let remove = change.remove_finalizer && finalizers.iter().any(|f| f == FINALIZER);
-    if (add || remove) && deployment.metadata.finalizers.is_some() {
+    let finalizers: Vec<&str> = deployment
+        .finalizers
+        .iter()
+        .flatten()
+        .map(AsRef::as_ref)
+        .collect();
+    let add = change.add_finalizer && !finalizers.contains(&FINALIZER);
+    let remove = change.remove_finalizer && finalizers.contains(&FINALIZER);
+    if (add || remove) && deployment.finalizers.is_some() {
         ops.push(json!({ "op": "test", "path": "/metadata/finalizers", "value": finalizers }));
     }
     if add {
-        if deployment.metadata.finalizers.is_none() {
+        if deployment.finalizers.is_none() {
             guard_version = true;
             ops.push(json!({ "op": "add", "path": "/metadata/finalizers", "value": [FINALIZER] }));
         } else {
             ops.push(json!({ "op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER }));
         }
     }
-    if remove && let Some(index) = finalizers.iter().position(|f| f == FINALIZER) {
+    if remove && let Some(index) = finalizers.iter().position(|f| *f == FINALIZER) {
         ops.push(json!({ "op": "remove", "path": format!("/metadata/finalizers/{index}") }));
     }
-    let annotations = deployment.metadata.annotations.clone().unwrap_or_default();
-    let mut annotations_exist = deployment.metadata.annotations.is_some();
-    for (key, wanted) in [
-        (SPIFFE_ID_ANNOTATION, &change.spiffe_id),
-        (ENTRY_ID_ANNOTATION, &change.entry_id),
+    let mut annotations_exist = deployment.annotations.is_some();
+    for (key, wanted, current) in [
+        (
+            SPIFFE_ID_ANNOTATION,
+            &change.spiffe_id,
+            deployment.spiffe_id(),
+        ),
+        (ENTRY_ID_ANNOTATION, &change.entry_id, deployment.entry_id()),
     ] {
         let path = format!("/metadata/annotations/{}", escape(key));
         match wanted {
-            Some(Some(value)) if annotations.get(key) != Some(value) => {
+            Some(Some(value)) if current != Some(value.as_str()) => {
                 if !annotations_exist {
                     guard_version = true;
                     ops.push(json!({ "op": "add", "path": "/metadata/annotations", "value": {} }));
@@ -71,16 +80,14 @@ pub fn operations(deployment: &Deployment, change: &MetadataChange) -> Vec<Value
                 }
                 ops.push(json!({ "op": "add", "path": path, "value": value }));
             }
-            Some(None) if annotations.contains_key(key) => {
-                ops.push(json!({ "op": "remove", "path": path }))
-            }
+            Some(None) if current.is_some() => ops.push(json!({ "op": "remove", "path": path })),
             _ => {}
         }
     }
     if guard_version {
         ops.insert(
             0,
-            json!({ "op": "test", "path": "/metadata/resourceVersion", "value": deployment.resource_version() }),
+            json!({ "op": "test", "path": "/metadata/resourceVersion", "value": &*deployment.resource_version }),
         );
     }
     ops
@@ -95,19 +102,18 @@ fn writes_anything(ops: &[Value]) -> bool {
 /// than a debug line: the watch event that made it stale triggers the next sync.
 pub async fn patch_metadata(
     client: &Client,
-    deployment: &Deployment,
+    deployment: &DeploymentRecord,
     change: &MetadataChange,
 ) -> Result<bool, kube::Error> {
     let ops = operations(deployment, change);
     if !writes_anything(&ops) {
         return Ok(false);
     }
-    let namespace = deployment.namespace().unwrap_or_default();
-    let api: Api<Deployment> = Api::namespaced(client.clone(), &namespace);
+    let api: Api<Deployment> = Api::namespaced(client.clone(), &deployment.namespace);
     let patch: json_patch::Patch =
         serde_json::from_value(Value::Array(ops)).expect("our operations must form a JSON Patch");
     api.patch(
-        &deployment.name_any(),
+        &deployment.name,
         &PatchParams::default(),
         &Patch::<()>::Json(patch),
     )
@@ -115,35 +121,22 @@ pub async fn patch_metadata(
     Ok(true)
 }
 
-/// Publishes an Event about `object`; failures are logged, never fatal (Events are advisory).
-pub async fn event<K: Resource<DynamicType = ()>>(
-    recorder: &Recorder,
+/// Queues an Event about a policy or the CRD (Events are advisory: never waited on).
+pub fn event<K: Resource<DynamicType = ()>>(
+    events: &EventSink,
     object: &K,
     warning: bool,
     reason: &str,
     note: String,
 ) {
-    let event = Event {
-        type_: if warning {
-            EventType::Warning
-        } else {
-            EventType::Normal
-        },
-        reason: reason.to_string(),
-        note: Some(note),
-        action: "Reconcile".into(),
-        secondary: None,
-    };
-    if let Err(error) = recorder.publish(&event, &object.object_ref(&())).await {
-        tracing::warn!(%error, reason, object = %object.name_any(), "publishing an Event failed");
-    }
+    events.publish(object.object_ref(&()), warning, reason, note);
 }
 
-/// Patches one Deployment and publishes its Event; true when the patch failed (retry).
+/// Patches one Deployment and queues its Events; true when the patch failed (retry).
 pub async fn write_workload(
     client: &Client,
-    recorder: &Recorder,
-    deployment: Arc<Deployment>,
+    events: &EventSink,
+    deployment: Arc<DeploymentRecord>,
     change: MetadataChange,
     announce: Vec<super::decide::Announce>,
 ) -> bool {
@@ -152,21 +145,18 @@ pub async fn write_workload(
             Ok(_) => {}
             Err(kube::Error::Api(status)) if status.code == 404 => return false,
             Err(error) => {
-                let key = super::desired::key_of(&deployment);
-                tracing::warn!(deployment = %key.name, namespace = %key.namespace, %error, "patch failed (stale cache?); will retry");
+                tracing::warn!(deployment = %deployment.name, namespace = %deployment.namespace, %error, "patch failed (stale cache?); will retry");
                 return true;
             }
         }
     }
     for announce in announce {
-        event(
-            recorder,
-            deployment.as_ref(),
+        events.publish(
+            deployment.object_ref(),
             announce.warning,
             announce.reason,
             announce.note,
-        )
-        .await;
+        );
     }
     false
 }
@@ -179,8 +169,9 @@ mod tests {
 
     fn apply(deployment: &Deployment, change: &MetadataChange) -> Value {
         let mut object = serde_json::to_value(deployment).expect("serializes");
+        let record = DeploymentRecord::from(deployment);
         let patch: json_patch::Patch =
-            serde_json::from_value(Value::Array(operations(deployment, change))).expect("patch");
+            serde_json::from_value(Value::Array(operations(&record, change))).expect("patch");
         json_patch::patch(&mut object, &patch).expect("applies");
         object
     }
@@ -240,7 +231,7 @@ mod tests {
         let mut d = mk_deployment("a", "web", None, &[]);
         d.metadata.resource_version = Some("7".into());
         let ops = operations(
-            &d,
+            &DeploymentRecord::from(&d),
             &MetadataChange {
                 add_finalizer: true,
                 ..Default::default()
@@ -269,13 +260,19 @@ mod tests {
         let mut status_written = serde_json::to_value(&d).expect("serializes");
         status_written["metadata"]["resourceVersion"] = "8".into();
         status_written["status"] = json!({ "observedGeneration": 2 });
-        assert!(try_apply(&mut status_written, operations(&d, &change)));
+        assert!(try_apply(
+            &mut status_written,
+            operations(&DeploymentRecord::from(&d), &change)
+        ));
         assert_eq!(status_written["metadata"]["finalizers"], json!(["x.io/b"]));
 
         let mut reordered = serde_json::to_value(&d).expect("serializes");
         reordered["metadata"]["finalizers"] = json!(["x.io/b", FINALIZER]);
         assert!(
-            !try_apply(&mut reordered, operations(&d, &change)),
+            !try_apply(
+                &mut reordered,
+                operations(&DeploymentRecord::from(&d), &change)
+            ),
             "an index into a list that changed must not remove someone else's finalizer"
         );
     }
@@ -289,6 +286,9 @@ mod tests {
             entry_id: Some(None),
             ..Default::default()
         };
-        assert!(!writes_anything(&operations(&d, &change)));
+        assert!(!writes_anything(&operations(
+            &DeploymentRecord::from(&d),
+            &change
+        )));
     }
 }

@@ -205,7 +205,7 @@ mod tests {
     use crate::controller::decide::{Input, spire_plan};
     use crate::controller::desired::{NamespaceInfo, compute as desired};
     use crate::policy::OptIn;
-    use crate::policy::testing::{mk_deployment, mk_policy};
+    use crate::policy::testing::{mk_deployment, mk_policy, recorded};
     use crate::spire::Ownership;
     use std::collections::BTreeMap;
     use std::sync::Arc;
@@ -227,7 +227,7 @@ mod tests {
 
     fn status_of(
         policies: &[Arc<SpiffeRegistration>],
-        deployments: Vec<Arc<k8s_openapi::api::apps::v1::Deployment>>,
+        deployments: Vec<Arc<crate::index::DeploymentRecord>>,
         which: usize,
     ) -> SpiffeRegistrationStatus {
         let o = Ownership::new("c").expect("valid");
@@ -262,8 +262,8 @@ mod tests {
         let old = Arc::new(mk_policy("old", 1, |_| {}));
         let new = Arc::new(mk_policy("new", 2, |_| {}));
         let deployments = vec![
-            Arc::new(mk_deployment("a", "web", Some("api"), &[])),
-            Arc::new(mk_deployment("a", "worker", Some("api"), &[])),
+            recorded(mk_deployment("a", "web", Some("api"), &[])),
+            recorded(mk_deployment("a", "worker", Some("api"), &[])),
         ];
         let policies = [old.clone(), new.clone()];
         let winner = status_of(&policies, deployments.clone(), 0);
@@ -302,8 +302,8 @@ mod tests {
         let status = status_of(
             &[policy],
             vec![
-                Arc::new(mk_deployment("a", "ok", Some("fine"), &[])),
-                Arc::new(mk_deployment("a", "odd", Some("has.dots"), &[])),
+                recorded(mk_deployment("a", "ok", Some("fine"), &[])),
+                recorded(mk_deployment("a", "odd", Some("has.dots"), &[])),
             ],
             0,
         );

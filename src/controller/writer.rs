@@ -3,12 +3,12 @@
 //! go out while the next batch is still in flight.
 
 use super::decide::WorkloadWrite;
-use super::desired::{DeploymentKey, Desired, key_of};
+use super::desired::{DeploymentKey, Desired};
+use super::events::EventSink;
 use super::metrics::ControllerMetrics;
 use super::record::write_workload;
-use k8s_openapi::api::apps::v1::Deployment;
+use crate::index::DeploymentRecord;
 use kube::Client;
-use kube::runtime::events::Recorder;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use tokio::sync::Semaphore;
@@ -20,10 +20,10 @@ const PATCH_CONCURRENCY: usize = 16;
 
 pub struct WorkloadWriter {
     client: Client,
-    recorder: Recorder,
+    events: EventSink,
     metrics: ControllerMetrics,
     /// The cached objects the writes are computed against (patches test what they rely on).
-    deployments: HashMap<DeploymentKey, Arc<Deployment>>,
+    deployments: HashMap<DeploymentKey, Arc<DeploymentRecord>>,
     /// Deployments already handed a write this sync: a later, wider pass computed from the
     /// same cache would only repeat it.
     written: HashSet<DeploymentKey>,
@@ -34,15 +34,15 @@ pub struct WorkloadWriter {
 impl WorkloadWriter {
     pub fn new(
         client: Client,
-        recorder: Recorder,
+        events: EventSink,
         metrics: ControllerMetrics,
-        deployments: &[Arc<Deployment>],
+        deployments: &[Arc<DeploymentRecord>],
     ) -> Self {
         Self {
             client,
-            recorder,
+            events,
             metrics,
-            deployments: deployments.iter().map(|d| (key_of(d), d.clone())).collect(),
+            deployments: deployments.iter().map(|d| (d.key(), d.clone())).collect(),
             written: HashSet::new(),
             permits: Arc::new(Semaphore::new(PATCH_CONCURRENCY)),
             tasks: JoinSet::new(),
@@ -59,7 +59,7 @@ impl WorkloadWriter {
                 continue;
             };
             self.count(desired, &write);
-            let (client, recorder) = (self.client.clone(), self.recorder.clone());
+            let (client, events) = (self.client.clone(), self.events.clone());
             let permits = self.permits.clone();
             let registrations = self
                 .metrics
@@ -71,7 +71,7 @@ impl WorkloadWriter {
                     .await
                     .expect("the writer's semaphore is never closed");
                 let failed =
-                    write_workload(&client, &recorder, deployment, write.change, write.announce)
+                    write_workload(&client, &events, deployment, write.change, write.announce)
                         .await;
                 // Counted once the entry-id is on the object, not when it is decided.
                 if write.registered && !failed {

@@ -10,11 +10,13 @@
 
 pub mod crd;
 pub mod duration;
+pub mod labels;
 pub mod render;
 pub mod select;
 pub mod spiffe_id;
 
 pub use crd::{SpiffeRegistration, SpiffeRegistrationSpec, SpiffeRegistrationStatus};
+pub use labels::{LabelSource, Labels};
 pub use render::{Identity, RenderError, Workload};
 
 use k8s_openapi::api::apps::v1::Deployment;
@@ -103,12 +105,12 @@ pub fn labels_of(deployment: &Deployment) -> &BTreeMap<String, String> {
 /// Deployments carry `deployment_labels`. Resolution is per service account, not per
 /// Deployment, because SPIRE's selectors (`k8s:ns`, `k8s:sa`) cannot tell two Deployments of
 /// one service account apart: one service account, one identity.
-pub fn resolve<'p, 'l>(
+pub fn resolve<'p, 'l, L: LabelSource + 'l>(
     opt_in: &OptIn,
     namespace: &str,
     namespace_labels: Option<&BTreeMap<String, String>>,
     service_account: &str,
-    deployment_labels: impl IntoIterator<Item = &'l BTreeMap<String, String>> + Clone,
+    deployment_labels: impl IntoIterator<Item = &'l L> + Clone,
     policies: impl IntoIterator<Item = &'p SpiffeRegistration>,
 ) -> Resolution<'p> {
     let Some(namespace_labels) = namespace_labels.filter(|labels| opt_in.admits(labels)) else {

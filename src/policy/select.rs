@@ -2,9 +2,9 @@
 //! the highest `priority`, then the oldest policy, then the smallest name: deterministic on
 //! every replica. The others are reported as losers.
 
-use super::crd::{PolicySelector, SpiffeRegistration};
+use super::crd::{PolicySelector, SelectorRequirement, SpiffeRegistration};
+use super::labels::LabelSource;
 use kube::ResourceExt;
-use kube::core::{Selector, SelectorExt};
 use std::collections::BTreeMap;
 
 /// The outcome of selection for one service account.
@@ -22,34 +22,79 @@ pub struct SelectorError {
     pub message: String,
 }
 
-fn parse(field: &'static str, selector: &PolicySelector) -> Result<Selector, SelectorError> {
-    Selector::try_from(selector.to_label_selector()).map_err(|e| SelectorError {
-        field,
-        message: e.to_string(),
-    })
+/// Whether one requirement holds, with Kubernetes' label-selector semantics (`NotIn` and
+/// `DoesNotExist` hold for an absent label). Evaluated in place: selection runs once per
+/// service account and policy on every sync, so nothing is parsed or allocated here.
+fn requirement_holds(
+    field: &'static str,
+    requirement: &SelectorRequirement,
+    labels: &impl LabelSource,
+) -> Result<bool, SelectorError> {
+    let value = labels.label(&requirement.key);
+    let listed = || value.is_some_and(|v| requirement.values.iter().any(|w| w == v));
+    let needs_values = || {
+        if requirement.values.is_empty() {
+            Err(SelectorError {
+                field,
+                message: format!(
+                    "operator {} on key {:?} needs at least one value",
+                    requirement.operator, requirement.key
+                ),
+            })
+        } else {
+            Ok(())
+        }
+    };
+    match requirement.operator.as_str() {
+        "In" => needs_values().map(|()| listed()),
+        "NotIn" => needs_values().map(|()| !listed()),
+        "Exists" => Ok(value.is_some()),
+        "DoesNotExist" => Ok(value.is_none()),
+        other => Err(SelectorError {
+            field,
+            message: format!(
+                "unknown operator {other:?} on key {:?} (In, NotIn, Exists, DoesNotExist)",
+                requirement.key
+            ),
+        }),
+    }
 }
 
-/// Whether `selector` (unset = everything) matches `labels`.
+/// Whether `selector` (unset = everything) matches `labels`. Every requirement is checked
+/// for validity, even after one fails to match, so a bad selector is an error whatever the
+/// labels.
 pub fn selector_matches(
     field: &'static str,
     selector: Option<&PolicySelector>,
-    labels: &BTreeMap<String, String>,
+    labels: &impl LabelSource,
 ) -> Result<bool, SelectorError> {
     let Some(selector) = selector else {
         return Ok(true);
     };
-    Ok(parse(field, selector)?.matches(labels))
+    let mut matches = selector
+        .match_labels
+        .iter()
+        .all(|(key, value)| labels.label(key) == Some(value.as_str()));
+    for requirement in &selector.match_expressions {
+        matches &= requirement_holds(field, requirement, labels)?;
+    }
+    Ok(matches)
 }
 
 /// Checks both selectors can be evaluated. A policy failing this is in doubt: it might match
 /// anything, so the controller deletes nothing while it exists (see `Desired::doubt`).
 pub fn validate_selectors(policy: &SpiffeRegistration) -> Result<(), SelectorError> {
-    if let Some(s) = &policy.spec.namespace_selector {
-        parse("namespaceSelector", s)?;
-    }
-    if let Some(s) = &policy.spec.deployment_selector {
-        parse("deploymentSelector", s)?;
-    }
+    let nothing = BTreeMap::new();
+    selector_matches(
+        "namespaceSelector",
+        policy.spec.namespace_selector.as_ref(),
+        &nothing,
+    )?;
+    selector_matches(
+        "deploymentSelector",
+        policy.spec.deployment_selector.as_ref(),
+        &nothing,
+    )?;
     Ok(())
 }
 
@@ -72,10 +117,10 @@ fn precedence(
 /// The policies governing a service account whose Deployments carry `deployment_labels`
 /// (one map per live Deployment), in a namespace with `namespace_labels`. Policies being
 /// deleted and policies whose selectors cannot be evaluated never match.
-pub fn select<'p, 'l>(
+pub fn select<'p, 'l, L: LabelSource + 'l>(
     policies: impl IntoIterator<Item = &'p SpiffeRegistration>,
-    namespace_labels: &BTreeMap<String, String>,
-    deployment_labels: impl IntoIterator<Item = &'l BTreeMap<String, String>> + Clone,
+    namespace_labels: &impl LabelSource,
+    deployment_labels: impl IntoIterator<Item = &'l L> + Clone,
 ) -> Option<Selection<'p>> {
     let mut matching: Vec<&SpiffeRegistration> = policies
         .into_iter()
@@ -103,4 +148,110 @@ pub fn select<'p, 'l>(
         winner,
         losers: iter.collect(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Labels;
+
+    fn requirement(key: &str, operator: &str, values: &[&str]) -> SelectorRequirement {
+        SelectorRequirement {
+            key: key.into(),
+            operator: operator.into(),
+            values: values.iter().map(|v| v.to_string()).collect(),
+        }
+    }
+
+    fn selector(labels: &[(&str, &str)], expressions: Vec<SelectorRequirement>) -> PolicySelector {
+        PolicySelector {
+            match_labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            match_expressions: expressions,
+        }
+    }
+
+    /// Kubernetes' semantics, on both label representations the code uses.
+    #[test]
+    fn table_of_selector_semantics() {
+        let map: BTreeMap<String, String> = [("app", "web"), ("tier", "front")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let compact = Labels::from(&map);
+        let cases: Vec<(&str, PolicySelector, Result<bool, ()>)> = vec![
+            ("empty matches all", selector(&[], vec![]), Ok(true)),
+            (
+                "matchLabels hit",
+                selector(&[("app", "web")], vec![]),
+                Ok(true),
+            ),
+            (
+                "matchLabels miss",
+                selector(&[("app", "db")], vec![]),
+                Ok(false),
+            ),
+            (
+                "In hit",
+                selector(&[], vec![requirement("tier", "In", &["back", "front"])]),
+                Ok(true),
+            ),
+            (
+                "In absent",
+                selector(&[], vec![requirement("zone", "In", &["a"])]),
+                Ok(false),
+            ),
+            (
+                "NotIn absent holds",
+                selector(&[], vec![requirement("zone", "NotIn", &["a"])]),
+                Ok(true),
+            ),
+            (
+                "NotIn listed",
+                selector(&[], vec![requirement("app", "NotIn", &["web"])]),
+                Ok(false),
+            ),
+            (
+                "Exists",
+                selector(&[], vec![requirement("app", "Exists", &[])]),
+                Ok(true),
+            ),
+            (
+                "DoesNotExist",
+                selector(&[], vec![requirement("app", "DoesNotExist", &[])]),
+                Ok(false),
+            ),
+            (
+                "all must hold",
+                selector(
+                    &[("app", "web")],
+                    vec![requirement("tier", "In", &["back"])],
+                ),
+                Ok(false),
+            ),
+            (
+                "In without values",
+                selector(&[], vec![requirement("app", "In", &[])]),
+                Err(()),
+            ),
+            (
+                "unknown operator",
+                selector(&[], vec![requirement("app", "Gt", &["1"])]),
+                Err(()),
+            ),
+            (
+                "invalid even after a miss",
+                selector(&[("app", "db")], vec![requirement("app", "Gt", &["1"])]),
+                Err(()),
+            ),
+        ];
+        for (what, selector, expected) in cases {
+            let on_map = selector_matches("s", Some(&selector), &map).map_err(|_| ());
+            let on_compact = selector_matches("s", Some(&selector), &compact).map_err(|_| ());
+            assert_eq!(on_map, expected, "{what}");
+            assert_eq!(on_compact, expected, "{what} (compact labels)");
+        }
+    }
 }

@@ -69,6 +69,11 @@ pub fn mk_deployment(
     .expect("deployment JSON must match the type")
 }
 
+/// `deployment` as the cache holds it.
+pub fn recorded(deployment: Deployment) -> std::sync::Arc<crate::index::DeploymentRecord> {
+    std::sync::Arc::new(crate::index::DeploymentRecord::from(&deployment))
+}
+
 /// An entry of ours for service account `sa` in namespace `a` under parent `spiffe://td/p`.
 pub fn mk_entry(ownership: &crate::spire::Ownership, sa: &str, ttl: i32) -> crate::spire::Entry {
     use crate::spire::{Entry, Selector};

@@ -4,7 +4,7 @@
 use super::patch::{guard_entry_id, stamp};
 use crate::index::PolicyView;
 use crate::names::{ENTRY_ID_ANNOTATION, SPIFFE_ID_ANNOTATION};
-use crate::policy::{Resolution, labels_of, resolve, service_account_of};
+use crate::policy::{Labels, Resolution, labels_of, resolve, service_account_of};
 use base64::Engine;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::core::DynamicObject;
@@ -152,7 +152,7 @@ fn decide(
         &namespace,
         labels.as_ref(),
         service_account,
-        std::iter::once(labels_of(&deployment)).chain(siblings.iter()),
+        std::iter::once(&Labels::from(labels_of(&deployment))).chain(siblings.iter()),
         policies.iter().map(Arc::as_ref),
     );
     let identity = match &resolution {

@@ -44,7 +44,7 @@ impl PolicyView for View {
     fn ownership(&self) -> &Ownership {
         &self.2
     }
-    fn sibling_labels(&self, _: &str, _: &str, _: &str) -> Vec<BTreeMap<String, String>> {
+    fn sibling_labels(&self, _: &str, _: &str, _: &str) -> Vec<spiffe_registrar::policy::Labels> {
         Vec::new()
     }
     fn namespace_labels(&self, _: &str) -> Option<BTreeMap<String, String>> {

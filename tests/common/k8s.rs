@@ -117,10 +117,37 @@ pub async fn create_webhook_configuration_excluding(
     port: u16,
     exclude: Option<&str>,
 ) {
+    create_webhook_configuration_full(client, name, port, exclude, None).await
+}
+
+/// As `create_webhook_configuration`, but requests by `username` are not sent to the webhook
+/// (the manifests' `matchConditions` for the registrar's own patches).
+pub async fn create_webhook_configuration_skipping(
+    client: &Client,
+    name: &str,
+    port: u16,
+    username: &str,
+) {
+    create_webhook_configuration_full(client, name, port, None, Some(username)).await
+}
+
+async fn create_webhook_configuration_full(
+    client: &Client,
+    name: &str,
+    port: u16,
+    exclude: Option<&str>,
+    skip_user: Option<&str>,
+) {
     let mut selector = json!({ "matchLabels": { OPT_IN_KEY: "enabled" } });
     if let Some(label) = exclude {
         selector["matchExpressions"] = json!([{ "key": label, "operator": "DoesNotExist" }]);
     }
+    let match_conditions: Vec<serde_json::Value> = skip_user
+        .map(|user| {
+            json!({ "name": "not-the-registrar", "expression": format!("request.userInfo.username != '{user}'") })
+        })
+        .into_iter()
+        .collect();
     let config: MutatingWebhookConfiguration = serde_json::from_value(json!({
         "metadata": { "name": name },
         "webhooks": [{
@@ -128,6 +155,7 @@ pub async fn create_webhook_configuration_excluding(
             "clientConfig": { "url": format!("https://127.0.0.1:{port}/mutate") },
             "rules": [{ "apiGroups": ["apps"], "apiVersions": ["v1"], "resources": ["deployments"], "operations": ["CREATE", "UPDATE"] }],
             "namespaceSelector": selector,
+            "matchConditions": match_conditions,
             "failurePolicy": "Fail",
             "sideEffects": "None",
             "admissionReviewVersions": ["v1"],
@@ -185,4 +213,15 @@ pub fn has_finalizer(d: &Deployment) -> bool {
         .iter()
         .flatten()
         .any(|f| f == spiffe_registrar::names::FINALIZER)
+}
+
+/// A kubeconfig for `url` authenticating with a bearer `token` (e.g. a ServiceAccount's).
+pub fn token_kubeconfig(url: &str, ca_pem: &str, token: &str) -> String {
+    use base64::Engine;
+    let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    certificate-authority-data: {ca}\n\
+         users:\n- name: registrar\n  user:\n    token: {token}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: registrar\n\
+         current-context: test\n"
+    )
 }

@@ -4,7 +4,7 @@
 //! ```text
 //!  Stack ── KubePlane ── etcd (loopback, temp data dir)
 //!        │           └── kube-apiserver (rcgen certs, RBAC, admin client cert → kubeconfig)
-//!        └── Spire ───── spire-server (sqlite, join_token, admin UDS + loopback TCP)
+//!        └── Spire ───── spire-server (SQLite, or PostgreSQL on request; join_token, admin UDS + TCP)
 //!                    └── spire-agent (join token, unix workload attestor, Workload API UDS)
 //! ```
 //! Every child runs in its own process group, is stopped by `Stack::stop` (or `Drop`), and is
@@ -15,6 +15,7 @@ pub mod certs;
 pub mod k8s;
 pub mod kube_plane;
 pub mod paths;
+pub mod postgres;
 pub mod process;
 pub mod registrar;
 pub mod sampler;

@@ -5,11 +5,14 @@
 //! account, 50 namespaces) exist first, under kube-controller-manager; then the registrar
 //! starts, so convergence is a cold start with no load generator in the figure.
 
-use super::k8s::{create_namespace, create_webhook_configuration, install_crd, policy};
+use super::k8s::{
+    create_namespace, create_webhook_configuration_skipping, install_crd, policy, token_kubeconfig,
+};
 use super::paths::free_port;
+pub use super::postgres::Datastore;
 use super::registrar::{Options, Registrar};
 use super::sampler::spire_client;
-use super::stack::Stack;
+use super::stack::{Stack, kubectl_ok};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Namespace;
@@ -36,6 +39,55 @@ pub struct Config {
     pub deployments: usize,
     /// How long to count SPIRE calls at rest (the README's figure uses 300 s).
     pub rest: Duration,
+    pub datastore: Datastore,
+}
+
+const REGISTRAR_NAMESPACE: &str = "registrar-system";
+const REGISTRAR_ACCOUNT: &str = "registrar";
+
+/// The registrar's own credentials (a ServiceAccount token), so the webhook configuration's
+/// `matchConditions` skip its patches exactly as the manifests do; the load generator stays
+/// the admin and goes through the webhook. Returns the kubeconfig and the username.
+fn registrar_identity(stack: &Stack) -> (std::path::PathBuf, String) {
+    kubectl_ok(
+        stack,
+        &[
+            "-n",
+            REGISTRAR_NAMESPACE,
+            "create",
+            "serviceaccount",
+            REGISTRAR_ACCOUNT,
+        ],
+    );
+    let subject = format!("{REGISTRAR_NAMESPACE}:{REGISTRAR_ACCOUNT}");
+    kubectl_ok(
+        stack,
+        &[
+            "create",
+            "clusterrolebinding",
+            "scale-registrar",
+            "--clusterrole=cluster-admin",
+            &format!("--serviceaccount={subject}"),
+        ],
+    );
+    let token = kubectl_ok(
+        stack,
+        &[
+            "-n",
+            REGISTRAR_NAMESPACE,
+            "create",
+            "token",
+            REGISTRAR_ACCOUNT,
+            "--duration=24h",
+        ],
+    );
+    let kubeconfig = stack.dir().join("registrar.kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        token_kubeconfig(&stack.kube.url, &stack.kube.ca_pem, token.trim()),
+    )
+    .expect("kubeconfig");
+    (kubeconfig, format!("system:serviceaccount:{subject}"))
 }
 
 fn progress(what: &str) {
@@ -212,17 +264,27 @@ async fn raw_create_seconds(socket: &std::path::Path, count: usize) -> f64 {
 
 /// Runs the benchmark; returns the JSON object the example prints.
 pub async fn run(config: Config) -> Value {
-    let Config { deployments, rest } = config;
+    let Config {
+        deployments,
+        rest,
+        datastore,
+    } = config;
     let service_accounts = deployments.div_ceil(2);
     let stack = Arc::new(
-        tokio::task::spawn_blocking(Stack::start)
+        tokio::task::spawn_blocking(move || Stack::start_with(datastore))
             .await
             .expect("stack"),
     );
     let socket = stack.spire_server.socket.clone();
     let client = stack.kube.client().await;
     install_crd(&client).await;
-    create_namespace(&client, "registrar-system", false).await;
+    create_namespace(&client, REGISTRAR_NAMESPACE, false).await;
+    let (kubeconfig, username) = {
+        let stack = stack.clone();
+        tokio::task::spawn_blocking(move || registrar_identity(&stack))
+            .await
+            .expect("identity")
+    };
     let spec = json!({ "trustDomain": "example.org", "parentID": "spiffe://example.org/k8s/scale", "ttl": "1h" });
     Api::<SpiffeRegistration>::all(client.clone())
         .create(&PostParams::default(), &policy("scale", spec))
@@ -249,16 +311,17 @@ pub async fn run(config: Config) -> Value {
 
     // Cold start: the webhook configuration and the registrar arrive now.
     let port = free_port();
-    create_webhook_configuration(&client, "scale", port).await;
+    create_webhook_configuration_skipping(&client, "scale", port, &username).await;
     let started = Instant::now();
     let registrar = {
         let stack = stack.clone();
         tokio::task::spawn_blocking(move || {
-            Registrar::start_on(
+            Registrar::start_full(
                 &stack,
                 port,
+                &kubeconfig,
                 Options {
-                    namespace: "registrar-system",
+                    namespace: REGISTRAR_NAMESPACE,
                     webhook_configuration: "scale",
                     cluster_name: CLUSTER,
                     name: "registrar",
@@ -295,8 +358,6 @@ pub async fn run(config: Config) -> Value {
     .await;
     let total = deployments + extra;
 
-    // A rollout of every Deployment: kube-controller-manager rewrites each status several
-    // times; a watch counts those updates, /proc counts our CPU.
     // A rollout of every Deployment: kube-controller-manager rewrites each status several
     // times. The apiserver's own request counter counts those writes; /proc counts our CPU.
     let status_writes_before = status_writes(&stack);
@@ -392,7 +453,7 @@ pub async fn run(config: Config) -> Value {
         "spire_calls_per_min_at_rest": spire_calls_per_min_at_rest,
         "namespace_delete_s": namespace_delete_s,
         "namespaces_deleted": doomed,
-        "datastore": "sqlite",
+        "datastore": datastore.name(),
     });
     drop(registrar);
     report

@@ -1,4 +1,5 @@
-//! spire-server (sqlite, join_token, admin UDS + loopback TCP) and one attested spire-agent.
+//! spire-server (SQLite or PostgreSQL, join_token, admin UDS + loopback TCP) and one attested
+//! spire-agent.
 
 use super::paths::{binary, free_port, spire_bin};
 use super::process::{ManagedProcess, run, wait_until};
@@ -18,11 +19,21 @@ pub struct SpireServer {
 
 impl SpireServer {
     pub fn start(dir: &Path) -> Self {
+        Self::start_with(dir, None)
+    }
+
+    /// Starts the server on `postgres` when given, else on SQLite in its data directory.
+    pub fn start_with(dir: &Path, postgres: Option<&super::postgres::Postgres>) -> Self {
         let dir = dir.join("ss");
         std::fs::create_dir_all(&dir).expect("spire-server dir must be creatable");
         let socket = dir.join("api.sock");
         let port = free_port();
         let config = dir.join("server.conf");
+        let data = dir.join("data");
+        let (database_type, connection_string) = match postgres {
+            Some(postgres) => ("postgres", postgres.connection_string()),
+            None => ("sqlite3", format!("{}/datastore.sqlite3", data.display())),
+        };
         // KeyManager "disk" keeps the CA across restarts, so the agent stays attested when a
         // test kills and restarts the server.
         std::fs::write(
@@ -39,8 +50,8 @@ impl SpireServer {
 plugins {{
   DataStore "sql" {{
     plugin_data {{
-      database_type = "sqlite3"
-      connection_string = "{data}/datastore.sqlite3"
+      database_type = "{database_type}"
+      connection_string = "{connection_string}"
     }}
   }}
   NodeAttestor "join_token" {{
@@ -54,7 +65,7 @@ plugins {{
 }}
 "#,
                 socket = socket.display(),
-                data = dir.join("data").display(),
+                data = data.display(),
             ),
         )
         .expect("server.conf must be writable");

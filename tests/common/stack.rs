@@ -2,6 +2,7 @@
 //! (`Stack::start`), plus a sentinel that cleans up when the test binary dies.
 
 use super::kube_plane::KubePlane;
+use super::postgres::{Datastore, Postgres};
 use super::process::run;
 use super::spire::{SpireAgent, SpireServer};
 use std::os::unix::process::CommandExt;
@@ -16,6 +17,8 @@ pub struct Stack {
     pub kube: KubePlane,
     pub spire_server: SpireServer,
     pub spire_agent: SpireAgent,
+    /// spire-server's datastore when it is PostgreSQL (stopped after the server).
+    pub postgres: Option<Postgres>,
     sentinel: Child,
     dir: tempfile::TempDir,
 }
@@ -25,6 +28,11 @@ static SHARED: OnceLock<Stack> = OnceLock::new();
 impl Stack {
     /// Starts etcd, kube-apiserver, spire-server and spire-agent, each ready when this returns.
     pub fn start() -> Self {
+        Self::start_with(Datastore::Sqlite)
+    }
+
+    /// As `start`, with spire-server on `datastore`.
+    pub fn start_with(datastore: Datastore) -> Self {
         let started = Instant::now();
         // Short path: Unix socket paths must stay under ~108 bytes.
         let dir = tempfile::Builder::new()
@@ -33,12 +41,14 @@ impl Stack {
             .expect("a temp dir must be creatable");
         let sentinel = spawn_sentinel(dir.path());
         let kube = KubePlane::start(dir.path());
-        let spire_server = SpireServer::start(dir.path());
+        let postgres = (datastore == Datastore::Postgres).then(|| Postgres::start(dir.path()));
+        let spire_server = SpireServer::start_with(dir.path(), postgres.as_ref());
         let spire_agent = SpireAgent::start(dir.path(), &spire_server);
         let stack = Self {
             kube,
             spire_server,
             spire_agent,
+            postgres,
             sentinel,
             dir,
             tracked: std::sync::Mutex::new(Vec::new()),
@@ -65,13 +75,15 @@ impl Stack {
 
     /// Process groups of every child, so the sentinel can kill what is running at exit.
     pub fn pgids(&self) -> Vec<i32> {
-        vec![
+        let mut groups = vec![
             self.kube.etcd.pgid(),
             self.kube.apiserver.pgid(),
             self.kube.controller_manager.pgid(),
             self.spire_server.process.pgid(),
             self.spire_agent.process.pgid(),
-        ]
+        ];
+        groups.extend(self.postgres.as_ref().map(|p| p.process.pgid()));
+        groups
     }
 
     /// Re-records the groups (call after restarting a process).
@@ -142,6 +154,7 @@ impl Stack {
         let _ = self.sentinel.wait();
         self.spire_agent.stop();
         self.spire_server.stop();
+        self.postgres.take();
         self.kube.stop();
     }
 }

@@ -1,0 +1,432 @@
+//! A Deployment as the caches hold it: only what a decision reads. At 50,000 realistic
+//! Deployments the full object (kubectl's `last-applied-configuration`, the pod template,
+//! managed fields, status) would be gigabytes; k8s-openapi's `Deployment` alone is 2.4 KB
+//! before any string. The watch decodes straight into this shape: unknown fields are skipped
+//! by the parser without being allocated, and of the annotations only ours are kept.
+
+use crate::controller::desired::{DeploymentKey, SaKey};
+use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
+use crate::policy::Labels;
+use k8s_openapi::NamespaceResourceScope;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::jiff::Timestamp;
+use serde::Deserialize;
+use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+/// Every annotation we write starts with this; no other annotation is kept.
+const OUR_ANNOTATION_PREFIX: &str = "registrar.spiffe.io/";
+
+/// Our annotations as they are on the object (never trusted as truth: see `decide`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OurAnnotations {
+    pub spiffe_id: Option<Box<str>>,
+    pub entry_id: Option<Box<str>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeploymentRecord {
+    pub namespace: Box<str>,
+    pub name: Box<str>,
+    pub uid: Box<str>,
+    /// For patches that must not race a change they cannot express as a `test`.
+    pub resource_version: Box<str>,
+    pub created: Option<Timestamp>,
+    /// Has a deletionTimestamp.
+    pub deleting: bool,
+    /// The pod template's service account, `default` when unset (as the kubelet runs it).
+    pub service_account: Box<str>,
+    pub labels: Labels,
+    /// `None` when the object has no finalizer list (JSON Patch paths depend on it).
+    pub finalizers: Option<Box<[Box<str>]>>,
+    /// `None` when the object has no annotation map at all (likewise).
+    pub annotations: Option<OurAnnotations>,
+}
+
+impl DeploymentRecord {
+    /// Builds the record from metadata already stripped or not (only ours is kept) and the
+    /// pod template's service account fields.
+    fn from_parts(
+        meta: &ObjectMeta,
+        service_account_name: Option<&str>,
+        service_account: Option<&str>,
+    ) -> Self {
+        let annotations = meta.annotations.as_ref().map(|all| OurAnnotations {
+            spiffe_id: all.get(SPIFFE_ID_ANNOTATION).map(|v| Box::from(v.as_str())),
+            entry_id: all.get(ENTRY_ID_ANNOTATION).map(|v| Box::from(v.as_str())),
+        });
+        let service_account = service_account_name
+            .or(service_account)
+            .filter(|sa| !sa.is_empty())
+            .unwrap_or("default");
+        Self {
+            namespace: meta.namespace.as_deref().unwrap_or_default().into(),
+            name: meta.name.as_deref().unwrap_or_default().into(),
+            uid: meta.uid.as_deref().unwrap_or_default().into(),
+            resource_version: meta.resource_version.as_deref().unwrap_or_default().into(),
+            created: meta.creation_timestamp.as_ref().map(|t| t.0),
+            deleting: meta.deletion_timestamp.is_some(),
+            service_account: service_account.into(),
+            labels: meta.labels.as_ref().map(Labels::from).unwrap_or_default(),
+            finalizers: meta
+                .finalizers
+                .as_ref()
+                .map(|list| list.iter().map(|f| Box::from(f.as_str())).collect()),
+            annotations,
+        }
+    }
+
+    pub fn key(&self) -> DeploymentKey {
+        DeploymentKey {
+            namespace: self.namespace.to_string(),
+            name: self.name.to_string(),
+        }
+    }
+
+    pub fn service_account_key(&self) -> SaKey {
+        SaKey {
+            namespace: self.namespace.to_string(),
+            service_account: self.service_account.to_string(),
+        }
+    }
+
+    pub fn has_finalizer(&self) -> bool {
+        self.finalizers
+            .iter()
+            .flatten()
+            .any(|f| f.as_ref() == FINALIZER)
+    }
+
+    pub fn spiffe_id(&self) -> Option<&str> {
+        self.annotations.as_ref()?.spiffe_id.as_deref()
+    }
+
+    pub fn entry_id(&self) -> Option<&str> {
+        self.annotations.as_ref()?.entry_id.as_deref()
+    }
+
+    /// Whether `other` differs in anything a decision reads: a new resourceVersion alone
+    /// (status, rollouts, other writers' annotations) does not count.
+    pub fn differs_for_decisions(&self, other: &DeploymentRecord) -> bool {
+        let Self {
+            namespace,
+            name,
+            uid,
+            resource_version: _,
+            created,
+            deleting,
+            service_account,
+            labels,
+            finalizers,
+            annotations,
+        } = self;
+        *namespace != other.namespace
+            || *name != other.name
+            || *uid != other.uid
+            || *created != other.created
+            || *deleting != other.deleting
+            || *service_account != other.service_account
+            || *labels != other.labels
+            || *finalizers != other.finalizers
+            || *annotations != other.annotations
+    }
+
+    /// What an Event about this Deployment refers to.
+    pub fn object_ref(&self) -> ObjectReference {
+        ObjectReference {
+            api_version: Some("apps/v1".into()),
+            kind: Some("Deployment".into()),
+            name: Some(self.name.to_string()),
+            namespace: Some(self.namespace.to_string()),
+            uid: Some(self.uid.to_string()),
+            resource_version: Some(self.resource_version.to_string()),
+            field_path: None,
+        }
+    }
+}
+
+impl From<&Deployment> for DeploymentRecord {
+    fn from(deployment: &Deployment) -> Self {
+        let pod = deployment
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.template.spec.as_ref());
+        Self::from_parts(
+            &deployment.metadata,
+            pod.and_then(|p| p.service_account_name.as_deref()),
+            pod.and_then(|p| p.service_account.as_deref()),
+        )
+    }
+}
+
+/// What the Deployment watch decodes. kube-runtime's watcher needs a `Resource` with an
+/// `ObjectMeta`; this one carries only the fields a record is built from, so decoding a 10 KB
+/// Deployment allocates a few short strings.
+#[derive(Clone, Debug, Deserialize)]
+pub struct WatchedDeployment {
+    #[serde(deserialize_with = "lean_metadata")]
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    spec: Option<WatchedSpec>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+struct WatchedSpec {
+    #[serde(default)]
+    template: WatchedTemplate,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+struct WatchedTemplate {
+    #[serde(default)]
+    spec: Option<WatchedPodSpec>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WatchedPodSpec {
+    #[serde(default)]
+    service_account_name: Option<String>,
+    #[serde(default)]
+    service_account: Option<String>,
+}
+
+impl WatchedDeployment {
+    pub fn record(&self) -> DeploymentRecord {
+        let pod = self.spec.as_ref().and_then(|s| s.template.spec.as_ref());
+        DeploymentRecord::from_parts(
+            &self.metadata,
+            pod.and_then(|p| p.service_account_name.as_deref()),
+            pod.and_then(|p| p.service_account.as_deref()),
+        )
+    }
+}
+
+impl kube::Resource for WatchedDeployment {
+    type DynamicType = ();
+    type Scope = NamespaceResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        "Deployment".into()
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        "apps".into()
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        "v1".into()
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        "deployments".into()
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// The metadata fields a record needs; managed fields, owner references and the rest are
+/// skipped by the parser.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LeanMeta {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    namespace: Option<String>,
+    #[serde(default)]
+    uid: Option<String>,
+    #[serde(default)]
+    resource_version: Option<String>,
+    #[serde(default)]
+    creation_timestamp: Option<Time>,
+    #[serde(default)]
+    deletion_timestamp: Option<Time>,
+    #[serde(default)]
+    labels: Option<BTreeMap<String, String>>,
+    #[serde(default, deserialize_with = "our_annotations")]
+    annotations: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    finalizers: Option<Vec<String>>,
+}
+
+fn lean_metadata<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta, D::Error> {
+    let LeanMeta {
+        name,
+        namespace,
+        uid,
+        resource_version,
+        creation_timestamp,
+        deletion_timestamp,
+        labels,
+        annotations,
+        finalizers,
+    } = LeanMeta::deserialize(deserializer)?;
+    Ok(ObjectMeta {
+        name,
+        namespace,
+        uid,
+        resource_version,
+        creation_timestamp,
+        deletion_timestamp,
+        labels,
+        annotations,
+        finalizers,
+        ..ObjectMeta::default()
+    })
+}
+
+/// The annotation map with only our keys: other values (several KB of
+/// `last-applied-configuration`) are skipped unread. An existing map stays `Some`, even empty.
+fn our_annotations<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<BTreeMap<String, String>>, D::Error> {
+    struct Ours;
+    impl<'de> Visitor<'de> for Ours {
+        type Value = Option<BTreeMap<String, String>>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an annotation map")
+        }
+        fn visit_none<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D: Deserializer<'de>>(self, inner: D) -> Result<Self::Value, D::Error> {
+            inner.deserialize_map(Ours)
+        }
+        fn visit_map<M: MapAccess<'de>>(self, mut map: M) -> Result<Self::Value, M::Error> {
+            let mut ours = BTreeMap::new();
+            while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                if key.starts_with(OUR_ANNOTATION_PREFIX) {
+                    ours.insert(key.into_owned(), map.next_value::<String>()?);
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(Some(ours))
+        }
+    }
+    deserializer.deserialize_option(Ours)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::LabelSource;
+    use crate::policy::testing::mk_deployment;
+    use serde_json::json;
+
+    /// A Deployment as the apiserver sends it after `kubectl apply`, a rollout and our patch.
+    fn realistic_json() -> serde_json::Value {
+        let mut d = serde_json::to_value(mk_deployment("a", "web", Some("api"), &[("app", "web")]))
+            .expect("serializes");
+        d["metadata"]["annotations"] = json!({
+            "kubectl.kubernetes.io/last-applied-configuration": "{\"x\":\"".to_string() + &"y".repeat(4096) + "\"}",
+            "deployment.kubernetes.io/revision": "3",
+            SPIFFE_ID_ANNOTATION: "spiffe://td/ns/a/sa/api",
+        });
+        d["metadata"]["managedFields"] = json!([{ "manager": "kubectl", "operation": "Update", "fieldsType": "FieldsV1", "fieldsV1": { "f:spec": { "f:replicas": {} } } }]);
+        d["metadata"]["finalizers"] = json!([FINALIZER]);
+        d["metadata"]["resourceVersion"] = json!("42");
+        d["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+        d["status"] = json!({ "replicas": 1, "observedGeneration": 3 });
+        d
+    }
+
+    #[test]
+    fn the_watch_keeps_what_decisions_read_and_nothing_else() {
+        let watched: WatchedDeployment = serde_json::from_value(realistic_json()).expect("decodes");
+        let annotations = watched.metadata.annotations.as_ref().expect("still Some");
+        assert_eq!(annotations.len(), 1, "only ours: {annotations:?}");
+        assert!(watched.metadata.managed_fields.is_none());
+        let record = watched.record();
+        assert_eq!(&*record.service_account, "api");
+        assert_eq!(record.labels.label("app"), Some("web"));
+        assert_eq!(record.spiffe_id(), Some("spiffe://td/ns/a/sa/api"));
+        assert_eq!(record.entry_id(), None);
+        assert!(record.has_finalizer());
+        assert_eq!(&*record.resource_version, "42");
+        assert!(record.created.is_some());
+        assert!(!record.deleting);
+
+        let full: Deployment = serde_json::from_value(realistic_json()).expect("decodes");
+        assert_eq!(
+            DeploymentRecord::from(&full),
+            record,
+            "the webhook's conversion of a full object and the watch's agree"
+        );
+    }
+
+    #[test]
+    fn absent_and_foreign_only_annotation_maps_stay_distinct() {
+        let mut bare = realistic_json();
+        bare["metadata"]
+            .as_object_mut()
+            .expect("object")
+            .remove("annotations");
+        let bare: WatchedDeployment = serde_json::from_value(bare).expect("decodes");
+        assert_eq!(bare.record().annotations, None);
+
+        let mut foreign = realistic_json();
+        foreign["metadata"]["annotations"] = json!({ "other": "x" });
+        let foreign: WatchedDeployment = serde_json::from_value(foreign).expect("decodes");
+        assert_eq!(
+            foreign.record().annotations,
+            Some(OurAnnotations::default()),
+            "the map's existence is kept for JSON Patch paths"
+        );
+
+        let mut null = realistic_json();
+        null["metadata"]["annotations"] = serde_json::Value::Null;
+        let null: WatchedDeployment = serde_json::from_value(null).expect("decodes");
+        assert_eq!(null.record().annotations, None);
+    }
+
+    #[test]
+    fn unset_service_account_is_default() {
+        let d = mk_deployment("a", "web", None, &[]);
+        assert_eq!(&*DeploymentRecord::from(&d).service_account, "default");
+    }
+
+    #[test]
+    fn status_rollouts_and_foreign_annotations_are_not_changes() {
+        let base: WatchedDeployment = serde_json::from_value(realistic_json()).expect("decodes");
+        let old = base.record();
+        let mut rollout = realistic_json();
+        rollout["metadata"]["resourceVersion"] = json!("43");
+        rollout["metadata"]["generation"] = json!(4);
+        rollout["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = json!("4");
+        rollout["spec"]["replicas"] = json!(5);
+        rollout["status"] = json!({ "replicas": 5 });
+        let rollout: WatchedDeployment = serde_json::from_value(rollout).expect("decodes");
+        assert!(!old.differs_for_decisions(&rollout.record()));
+
+        type Edit = fn(&mut serde_json::Value);
+        let edits: [(&str, Edit); 5] = [
+            ("label", |d| d["metadata"]["labels"]["tier"] = json!("x")),
+            ("finalizer", |d| d["metadata"]["finalizers"] = json!([])),
+            ("service account", |d| {
+                d["spec"]["template"]["spec"]["serviceAccountName"] = json!("other")
+            }),
+            ("entry-id", |d| {
+                d["metadata"]["annotations"][ENTRY_ID_ANNOTATION] = json!("x")
+            }),
+            ("deletion", |d| {
+                d["metadata"]["deletionTimestamp"] = json!("2026-01-02T00:00:00Z")
+            }),
+        ];
+        for (what, edit) in edits {
+            let mut changed = realistic_json();
+            edit(&mut changed);
+            let changed: WatchedDeployment = serde_json::from_value(changed).expect("decodes");
+            assert!(old.differs_for_decisions(&changed.record()), "{what}");
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! In-memory caches of the cluster state we decide from: opted-in Namespaces and
+//! SpiffeRegistrations (kube-runtime reflectors), and Deployments as compact records (our own
+//! store, see `deployment`). Every change a decision reads pokes `trigger` (a `Notify`:
+//! coalescing, never dropped), the controller's cue to re-derive desired state. The webhook reads the same caches; nothing here does I/O on
+//! a request path.
+
+pub mod deployment;
+pub mod store;
+
+pub use deployment::DeploymentRecord;
+pub use store::DeploymentStore;
+
+use crate::policy::{Labels, OptIn, SpiffeRegistration};
+use crate::spire::Ownership;
+use deployment::WatchedDeployment;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, Resource};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+/// What a namespace contributes to decisions: its labels and whether it is being deleted.
+#[derive(Clone, Debug, Default)]
+pub struct NamespaceInfo {
+    pub labels: BTreeMap<String, String>,
+    pub terminating: bool,
+}
+
+/// What the webhook reads: the caches, never the network.
+pub trait PolicyView: Send + Sync {
+    fn opt_in(&self) -> &OptIn;
+    /// Names entries, so the webhook knows the only `entry-id` value the controller writes.
+    fn ownership(&self) -> &Ownership;
+    /// Labels of a namespace, `None` when it is not (yet) known, not opted in, or being
+    /// deleted (nothing in it is stamped any more: that would undo the controller's release
+    /// of its finalizers).
+    fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>>;
+    fn policies(&self) -> Vec<Arc<SpiffeRegistration>>;
+    /// Labels of the other live Deployments running as `namespace/service_account`: the
+    /// policy is resolved per service account, so they count too.
+    fn sibling_labels(&self, namespace: &str, service_account: &str, except: &str) -> Vec<Labels>;
+}
+
+#[derive(Clone)]
+pub struct Index {
+    pub opt_in: OptIn,
+    pub ownership: Ownership,
+    pub namespaces: Store<Namespace>,
+    pub policies: Store<SpiffeRegistration>,
+    pub deployments: DeploymentStore,
+}
+
+impl Index {
+    /// An opted-in namespace's labels and whether it is being deleted.
+    pub fn namespace_info(&self, namespace: &str) -> Option<NamespaceInfo> {
+        let ns = self.namespaces.get(&reflector::ObjectRef::new(namespace))?;
+        Some(NamespaceInfo {
+            labels: ns.metadata.labels.clone().unwrap_or_default(),
+            terminating: ns.metadata.deletion_timestamp.is_some(),
+        })
+    }
+}
+
+impl PolicyView for Index {
+    fn opt_in(&self) -> &OptIn {
+        &self.opt_in
+    }
+
+    fn ownership(&self) -> &Ownership {
+        &self.ownership
+    }
+
+    fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>> {
+        self.namespace_info(namespace)
+            .filter(|ns| !ns.terminating)
+            .map(|ns| ns.labels)
+    }
+
+    fn policies(&self) -> Vec<Arc<SpiffeRegistration>> {
+        self.policies.state()
+    }
+
+    fn sibling_labels(&self, namespace: &str, service_account: &str, except: &str) -> Vec<Labels> {
+        self.deployments
+            .in_namespace(namespace, |d| {
+                &*d.name != except && !d.deleting && &*d.service_account == service_account
+            })
+            .iter()
+            .map(|d| d.labels.clone())
+            .collect()
+    }
+}
+
+fn trim_metadata<K: Resource>(object: &mut K) {
+    object.meta_mut().managed_fields = None;
+}
+
+/// Starts the three reflectors. `synced` flips once all three have listed; `trigger` is
+/// notified on every change after that.
+pub fn start(
+    client: Client,
+    opt_in: OptIn,
+    ownership: Ownership,
+    trigger: Arc<Notify>,
+    synced: Arc<AtomicBool>,
+) -> (Index, Vec<JoinHandle<()>>) {
+    let (namespaces, ns_writer) = reflector::store();
+    let (policies, policy_writer) = reflector::store();
+    let mut tasks = Vec::new();
+
+    // Only opted-in namespaces are cached; losing the label reads as a delete.
+    let ns_config = watcher::Config::default().labels(&format!("{}={}", opt_in.key, opt_in.value));
+    let ns_stream = watcher(Api::<Namespace>::all(client.clone()), ns_config)
+        .default_backoff()
+        .modify(trim_metadata)
+        .reflect(ns_writer);
+    tasks.push(spawn_drain("namespaces", ns_stream, trigger.clone()));
+
+    let policy_stream = watcher(
+        Api::<SpiffeRegistration>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(trim_metadata)
+    .reflect(policy_writer);
+    tasks.push(spawn_drain(
+        "spiffe_registrations",
+        policy_stream,
+        trigger.clone(),
+    ));
+
+    // Only changes a decision reads wake the controller: the store tells them apart as it
+    // applies each event.
+    let (deployments, deployment_writer) = store::store();
+    let deployment_stream = watcher(
+        Api::<WatchedDeployment>::all(client),
+        watcher::Config::default(),
+    )
+    .default_backoff();
+    tasks.push(tokio::spawn(async move {
+        let mut stream = std::pin::pin!(deployment_stream);
+        while let Some(event) = stream.next().await {
+            match event {
+                Ok(event) => {
+                    if deployment_writer.apply(event) {
+                        trigger.notify_one();
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(kind = "deployments", %error, "watch failed; retrying with backoff")
+                }
+            }
+        }
+    }));
+
+    let index = Index {
+        opt_in,
+        ownership,
+        namespaces,
+        policies,
+        deployments,
+    };
+    let waiting = index.clone();
+    tasks.push(tokio::spawn(async move {
+        let _ = waiting.namespaces.wait_until_ready().await;
+        let _ = waiting.policies.wait_until_ready().await;
+        let _ = waiting.deployments.wait_until_ready().await;
+        synced.store(true, Ordering::SeqCst);
+        tracing::info!("caches synced");
+    }));
+    (index, tasks)
+}
+
+/// Drives a reflector stream, poking the trigger on every event; watch errors are logged
+/// (the backoff retries them) and never end the stream.
+fn spawn_drain<S, K>(kind: &'static str, stream: S, trigger: Arc<Notify>) -> JoinHandle<()>
+where
+    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    K: Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(event) = stream.next().await {
+            match event {
+                Ok(_) => trigger.notify_one(),
+                Err(error) => tracing::warn!(kind, %error, "watch failed; retrying with backoff"),
+            }
+        }
+    })
+}
