@@ -76,9 +76,9 @@ pub struct Memory {
     pub foreign: BTreeMap<String, Entry>,
     /// Entry → policy that last rendered it (status counts, after the policy is gone too).
     policy_of: BTreeMap<String, String>,
-    /// Last note announced per (Deployment, reason), so an unchanged situation is not
-    /// re-announced.
-    announced: BTreeMap<(DeploymentKey, &'static str), String>,
+    /// A hash of the last note announced per (Deployment, reason), so an unchanged situation
+    /// is not re-announced. A hash, not the note: this holds one slot per Deployment.
+    announced: BTreeMap<(DeploymentKey, &'static str), u64>,
 }
 
 impl Memory {
@@ -95,11 +95,15 @@ impl Memory {
 
     /// True the first time `announce` is made for `key` (until its note changes).
     fn first_time(&mut self, key: &DeploymentKey, announce: &Announce) -> bool {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        announce.note.hash(&mut hasher);
+        let note = hasher.finish();
         let slot = (key.clone(), announce.reason);
-        if self.announced.get(&slot) == Some(&announce.note) {
+        if self.announced.get(&slot) == Some(&note) {
             return false;
         }
-        self.announced.insert(slot, announce.note.clone());
+        self.announced.insert(slot, note);
         true
     }
 }

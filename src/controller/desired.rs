@@ -20,11 +20,13 @@ use kube::ResourceExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-/// `namespace/name` of a Deployment.
+/// `namespace/name` of a Deployment. Shared strings: keys are cloned into every per-sync
+/// map and into `decide::Memory`, and at 50,000 Deployments a copy each time would be most
+/// of a sync's allocations.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct DeploymentKey {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl std::fmt::Display for DeploymentKey {
@@ -36,8 +38,8 @@ impl std::fmt::Display for DeploymentKey {
 /// `namespace/service account`: what one identity is for.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct SaKey {
-    pub namespace: String,
-    pub service_account: String,
+    pub namespace: Arc<str>,
+    pub service_account: Arc<str>,
 }
 
 impl std::fmt::Display for SaKey {
@@ -56,8 +58,8 @@ impl SaKey {
         let namespace = a.value.strip_prefix("ns:").filter(|_| a.kind == "k8s")?;
         let service_account = b.value.strip_prefix("sa:").filter(|_| b.kind == "k8s")?;
         Some(SaKey {
-            namespace: namespace.to_string(),
-            service_account: service_account.to_string(),
+            namespace: namespace.into(),
+            service_account: service_account.into(),
         })
     }
 
@@ -162,7 +164,7 @@ pub fn compute(
         }
     }
     let mut live: BTreeMap<SaKey, Vec<(DeploymentKey, &DeploymentRecord)>> = BTreeMap::new();
-    let mut namespace_cache: BTreeMap<String, Option<NamespaceInfo>> = BTreeMap::new();
+    let mut namespace_cache: BTreeMap<Arc<str>, Option<NamespaceInfo>> = BTreeMap::new();
     for deployment in deployments {
         let key = deployment.key();
         let namespace = namespace_cache

@@ -64,7 +64,7 @@ impl WorkloadWriter {
             let registrations = self
                 .metrics
                 .registrations
-                .with_label_values(&[write.key.namespace.as_str()]);
+                .with_label_values(&[&*write.key.namespace]);
             self.tasks.spawn(async move {
                 let _permit = permits
                     .acquire_owned()
@@ -83,7 +83,7 @@ impl WorkloadWriter {
     }
 
     fn count(&self, desired: &Desired, write: &WorkloadWrite) {
-        let namespace = write.key.namespace.as_str();
+        let namespace = &*write.key.namespace;
         if let Some(Some(entry_id)) = &write.change.entry_id {
             info!(deployment = %write.key.name, %namespace, %entry_id, "registered");
         }

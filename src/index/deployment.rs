@@ -16,6 +16,7 @@ use serde::Deserialize;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// Every annotation we write starts with this; no other annotation is kept.
 const OUR_ANNOTATION_PREFIX: &str = "registrar.spiffe.io/";
@@ -29,8 +30,10 @@ pub struct OurAnnotations {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeploymentRecord {
-    pub namespace: Box<str>,
-    pub name: Box<str>,
+    /// Shared with every other record of the namespace (the store interns it) and with
+    /// every key made from this record.
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
     pub uid: Box<str>,
     /// For patches that must not race a change they cannot express as a `test`.
     pub resource_version: Box<str>,
@@ -38,7 +41,7 @@ pub struct DeploymentRecord {
     /// Has a deletionTimestamp.
     pub deleting: bool,
     /// The pod template's service account, `default` when unset (as the kubelet runs it).
-    pub service_account: Box<str>,
+    pub service_account: Arc<str>,
     pub labels: Labels,
     /// `None` when the object has no finalizer list (JSON Patch paths depend on it).
     pub finalizers: Option<Box<[Box<str>]>>,
@@ -81,15 +84,15 @@ impl DeploymentRecord {
 
     pub fn key(&self) -> DeploymentKey {
         DeploymentKey {
-            namespace: self.namespace.to_string(),
-            name: self.name.to_string(),
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
         }
     }
 
     pub fn service_account_key(&self) -> SaKey {
         SaKey {
-            namespace: self.namespace.to_string(),
-            service_account: self.service_account.to_string(),
+            namespace: self.namespace.clone(),
+            service_account: self.service_account.clone(),
         }
     }
 

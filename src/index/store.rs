@@ -9,19 +9,22 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use tokio::sync::watch;
 
-type Namespace = HashMap<Box<str>, Arc<DeploymentRecord>>;
+type Namespace = HashMap<Arc<str>, Arc<DeploymentRecord>>;
+type Namespaces = HashMap<Arc<str>, Namespace>;
 
 #[derive(Default)]
 struct Contents {
-    by_namespace: HashMap<Box<str>, Namespace>,
+    by_namespace: Namespaces,
     /// A relist in progress: filled by `InitApply`, swapped in at `InitDone`.
-    relisting: Option<HashMap<Box<str>, Namespace>>,
+    relisting: Option<Namespaces>,
 }
 
-fn insert(
-    into: &mut HashMap<Box<str>, Namespace>,
-    record: DeploymentRecord,
-) -> Option<Arc<DeploymentRecord>> {
+/// Stores `record`, sharing its namespace string with the namespace's other records and its
+/// name with the map key.
+fn insert(into: &mut Namespaces, mut record: DeploymentRecord) -> Option<Arc<DeploymentRecord>> {
+    if let Some((namespace, _)) = into.get_key_value(&*record.namespace) {
+        record.namespace = namespace.clone();
+    }
     into.entry(record.namespace.clone())
         .or_default()
         .insert(record.name.clone(), Arc::new(record))
@@ -123,14 +126,14 @@ impl DeploymentStoreWriter {
             watcher::Event::Delete(object) => {
                 let record = object.record();
                 let mut contents = self.write();
-                let namespace = contents.by_namespace.get_mut(&record.namespace);
-                let removed = namespace.and_then(|n| n.remove(&record.name)).is_some();
+                let namespace = contents.by_namespace.get_mut(&*record.namespace);
+                let removed = namespace.and_then(|n| n.remove(&*record.name)).is_some();
                 if contents
                     .by_namespace
-                    .get(&record.namespace)
+                    .get(&*record.namespace)
                     .is_some_and(HashMap::is_empty)
                 {
-                    contents.by_namespace.remove(&record.namespace);
+                    contents.by_namespace.remove(&*record.namespace);
                 }
                 removed
             }

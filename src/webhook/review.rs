@@ -3,10 +3,10 @@
 
 use super::patch::{guard_entry_id, stamp};
 use crate::index::PolicyView;
+use crate::index::deployment::WatchedDeployment;
 use crate::names::{ENTRY_ID_ANNOTATION, SPIFFE_ID_ANNOTATION};
-use crate::policy::{Labels, Resolution, labels_of, resolve, service_account_of};
+use crate::policy::{Resolution, resolve};
 use base64::Engine;
-use k8s_openapi::api::apps::v1::Deployment;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionReview, Operation};
 use serde_json::{Value, json};
@@ -62,13 +62,23 @@ fn operation_label(operation: &Operation) -> &'static str {
     }
 }
 
-/// Answers one review. `registrar_user` is the registrar's own Kubernetes username: only it
-/// may set `entry-id` to anything but the ID policy computes.
-pub fn answer(
-    body: &[u8],
-    view: &dyn PolicyView,
-    registrar_user: Option<&str>,
-) -> Result<Answer, ReviewError> {
+/// A review's request, with its objects decoded as the caches decode Deployments: only our
+/// annotations, the finalizers, labels and the service account. A Deployment on the wire is
+/// 10–20 KB (kubectl's `last-applied-configuration`, the pod template); the webhook reads a
+/// few hundred bytes of it, and decodes nothing else.
+type LeanRequest = AdmissionRequest<WatchedDeployment>;
+
+/// The request, or why the body is not a review. Every real request takes the first, single
+/// pass; a body that fails it is parsed again generically, only to tell the caller precisely
+/// what is wrong (or that the object is not a Deployment we can read).
+fn parse(body: &[u8]) -> Result<Result<LeanRequest, AdmissionRequest<DynamicObject>>, ReviewError> {
+    if let Ok(review) = serde_json::from_slice::<AdmissionReview<WatchedDeployment>>(body)
+        && review.types.api_version == "admission.k8s.io/v1"
+        && review.types.kind == "AdmissionReview"
+        && let Ok(request) = TryInto::<LeanRequest>::try_into(review)
+    {
+        return Ok(Ok(request));
+    }
     let value: Value = serde_json::from_slice(body).map_err(ReviewError::NotJson)?;
     let api_version = value
         .get("apiVersion")
@@ -92,9 +102,34 @@ pub fn answer(
             .map_err(|e: kube::core::admission::ConvertAdmissionReviewError| {
                 ReviewError::Malformed(e.to_string())
             })?;
-    let operation = operation_label(&request.operation);
-    let (outcome, patch, warnings) = decide(&request, view, registrar_user);
-    let mut response = json!({ "uid": request.uid, "allowed": true });
+    Ok(Err(request))
+}
+
+/// Answers one review. `registrar_user` is the registrar's own Kubernetes username: only it
+/// may set `entry-id` to anything but the ID policy computes.
+pub fn answer(
+    body: &[u8],
+    view: &dyn PolicyView,
+    registrar_user: Option<&str>,
+) -> Result<Answer, ReviewError> {
+    let (uid, operation, (outcome, patch, warnings)) = match parse(body)? {
+        Ok(request) => (
+            request.uid.clone(),
+            operation_label(&request.operation),
+            decide(&request, view, registrar_user),
+        ),
+        Err(unreadable) => {
+            if is_deployment(&unreadable.kind) {
+                tracing::warn!(namespace = ?unreadable.namespace, name = %unreadable.name, "admitted object is not a valid apps/v1 Deployment; leaving it unchanged");
+            }
+            (
+                unreadable.uid.clone(),
+                operation_label(&unreadable.operation),
+                (Outcome::Skipped, Vec::new(), Vec::new()),
+            )
+        }
+    };
+    let mut response = json!({ "uid": uid, "allowed": true });
     if !patch.is_empty() {
         let encoded = serde_json::to_vec(&patch).expect("JSON Patch operations must serialize");
         response["patchType"] = "JSONPatch".into();
@@ -112,26 +147,22 @@ pub fn answer(
     })
 }
 
+fn is_deployment(kind: &kube::core::GroupVersionKind) -> bool {
+    kind.group == "apps" && kind.version == "v1" && kind.kind == "Deployment"
+}
+
 fn decide(
-    request: &AdmissionRequest<DynamicObject>,
+    request: &LeanRequest,
     view: &dyn PolicyView,
     registrar_user: Option<&str>,
 ) -> (Outcome, Vec<json_patch::PatchOperation>, Vec<String>) {
     let skipped = (Outcome::Skipped, Vec::new(), Vec::new());
-    let is_deployment = request.kind.group == "apps"
-        && request.kind.version == "v1"
-        && request.kind.kind == "Deployment";
-    if !is_deployment || !matches!(request.operation, Operation::Create | Operation::Update) {
+    if !is_deployment(&request.kind)
+        || !matches!(request.operation, Operation::Create | Operation::Update)
+    {
         return skipped;
     }
-    let Some(object) = &request.object else {
-        return skipped;
-    };
-    let as_deployment = |object: &DynamicObject| {
-        serde_json::to_value(object).and_then(serde_json::from_value::<Deployment>)
-    };
-    let Ok(deployment) = as_deployment(object) else {
-        tracing::warn!(namespace = ?request.namespace, name = %request.name, "admitted object is not a valid apps/v1 Deployment; leaving it unchanged");
+    let Some(deployment) = &request.object else {
         return skipped;
     };
     // Never stamp an object on its way out: that would undo the controller's finalizer removal.
@@ -145,14 +176,15 @@ fn decide(
         .unwrap_or_default();
     let labels = view.namespace_labels(&namespace);
     let policies = view.policies();
-    let service_account = service_account_of(&deployment);
+    let record = deployment.record();
+    let service_account = &*record.service_account;
     let siblings = view.sibling_labels(&namespace, service_account, &request.name);
     let resolution = resolve(
         view.opt_in(),
         &namespace,
         labels.as_ref(),
         service_account,
-        std::iter::once(&Labels::from(labels_of(&deployment))).chain(siblings.iter()),
+        std::iter::once(&record.labels).chain(siblings.iter()),
         policies.iter().map(Arc::as_ref),
     );
     let identity = match &resolution {
@@ -164,8 +196,8 @@ fn decide(
     let old_entry_id = request
         .old_object
         .as_ref()
-        .and_then(|old| as_deployment(old).ok())
-        .and_then(|old| old.metadata.annotations?.get(ENTRY_ID_ANNOTATION).cloned());
+        .and_then(|old| old.metadata.annotations.as_ref()?.get(ENTRY_ID_ANNOTATION))
+        .cloned();
     let computed = identity.map(|i| i.entry(view.ownership()).id);
     let by_registrar =
         registrar_user.is_some_and(|me| request.user_info.username.as_deref() == Some(me));

@@ -415,7 +415,7 @@ fn the_brake_holds_mass_scope_loss_until_confirmed() {
     assert!(plan.pending.iter().all(|p| p.why == Why::Brake));
     assert_eq!(brake.token, brake_token(lost.iter().map(|e| e.id.as_str())));
     let writes = w.writes(&plan, &Failures::new());
-    let lost_writes: Vec<_> = writes.iter().filter(|x| x.key.namespace == "a").collect();
+    let lost_writes: Vec<_> = writes.iter().filter(|x| &*x.key.namespace == "a").collect();
     assert_eq!(lost_writes.len(), 5);
     assert!(lost_writes.iter().all(|x| {
         x.change.is_empty() && x.announce.iter().any(|a| a.note.contains("confirmation"))
