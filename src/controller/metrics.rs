@@ -26,6 +26,9 @@ pub struct ControllerMetrics {
     /// `spire_equivalent_foreign_entries_total`: equivalent entries found owned by another
     /// writer (each reported once per resync).
     pub foreign: IntCounter,
+    /// `desired_state_seconds`: deriving desired state from the caches (the full recompute,
+    /// O(Deployments), on the blocking pool).
+    pub derive: Histogram,
     /// `events_dropped_total`: Events not written because the queue was full (advisory, as
     /// in Kubernetes' own event broadcaster).
     pub events_dropped: IntCounter,
@@ -84,6 +87,16 @@ impl ControllerMetrics {
             "spire_equivalent_foreign_entries_total",
             "Equivalent entries found owned by another writer",
         )?;
+        let derive = Histogram::with_opts(
+            HistogramOpts::new(
+                "desired_state_seconds",
+                "Deriving desired state from the caches (one full recompute)",
+            )
+            .buckets(vec![
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ]),
+        )?;
+        registry.register(Box::new(derive.clone()))?;
         let events_dropped = IntCounter::new(
             "events_dropped_total",
             "Events not written because the event queue was full",
@@ -109,6 +122,7 @@ impl ControllerMetrics {
             rejected,
             foreign,
             events_dropped,
+            derive,
         })
     }
 }

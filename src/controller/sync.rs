@@ -162,9 +162,12 @@ impl<A: EntryApi> Controller<A> {
     /// milliseconds of CPU, which must not stall the webhook or the watches.
     async fn desired(&self) -> Snapshot {
         let (settings, index) = (self.settings.clone(), self.index.clone());
-        tokio::task::spawn_blocking(move || snapshot(&settings, &index))
+        let timer = self.metrics.derive.start_timer();
+        let snapshot = tokio::task::spawn_blocking(move || snapshot(&settings, &index))
             .await
-            .expect("deriving desired state does not panic")
+            .expect("deriving desired state does not panic");
+        timer.observe_duration();
+        snapshot
     }
 
     fn decide(&mut self, desired: &Desired) -> SpirePlan {

@@ -495,6 +495,10 @@ pub async fn run(config: Config) -> Value {
     let syncs = registrar.metric("reconcile_duration_seconds_count", &[]);
     let sync_ms_mean =
         registrar.metric("reconcile_duration_seconds_sum", &[]) * 1000.0 / syncs.max(1.0);
+    let derive_ms_mean = registrar.metric("desired_state_seconds_sum", &[]) * 1000.0
+        / registrar
+            .metric("desired_state_seconds_count", &[])
+            .max(1.0);
     let report = json!({
         "deployments": deployments,
         "entries": service_accounts,
@@ -508,6 +512,7 @@ pub async fn run(config: Config) -> Value {
         "ratio_to_raw_patch": annotations_s / raw_patch_s,
         "syncs": syncs,
         "sync_ms_mean": sync_ms_mean,
+        "derive_ms_mean": derive_ms_mean,
         "peak_rss_mib": peak_rss_mib,
         "steady_rss_mib": steady_rss_mib,
         "cpu_s_per_1000_status_updates": cpu_s_per_1000_status_updates,
