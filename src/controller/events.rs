@@ -2,7 +2,7 @@
 //! published for six minutes and scans that cache on each publish: at a cold start of 50,000
 //! Deployments that is tens of MiB and quadratic CPU, and each Event write also competes with
 //! the patch that actually registers a Deployment. Here an Event is queued (bounded) and
-//! written by a small pool; when the queue is full the Event is dropped and counted, as
+//! written at a steady pace; when the queue is full the Event is dropped and counted, as
 //! Kubernetes' own event broadcaster does. Repeats are already suppressed by
 //! `decide::Memory`, so no cache is needed.
 
@@ -12,13 +12,18 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::PostParams;
 use kube::{Api, Client};
 use prometheus::IntCounter;
+use std::time::Duration;
 use tokio::sync::mpsc;
+use tokio::time::MissedTickBehavior;
 use tracing::Instrument;
 
 /// Events waiting to be written; beyond this they are dropped (and counted).
 const QUEUE: usize = 1024;
-/// Event writes in flight at once: a fraction of the Deployment patches' share.
-const CONCURRENCY: usize = 4;
+/// Events written per second at most, one at a time. A first install on a large cluster
+/// registers thousands of Deployments in one sync; written as fast as the patches, their
+/// Events took a third of the apiserver's writes (10,000 Deployments on 2 cores) and slowed
+/// the patches that matter. Paced, they cost a few percent and the excess is dropped.
+const EVENTS_PER_SECOND: u64 = 10;
 const REPORTING_CONTROLLER: &str = "spiffe-registrar";
 
 struct Pending {
@@ -36,16 +41,18 @@ pub struct EventSink {
 }
 
 impl EventSink {
-    /// Starts the writers; they stop once every clone of the sink is dropped.
+    /// Starts the writer; it stops once every clone of the sink is dropped.
     pub fn start(client: Client, replica_id: String, dropped: IntCounter) -> Self {
         let (queue, mut pending) = mpsc::channel::<Pending>(QUEUE);
         tokio::spawn(
             async move {
-                let writes = futures::stream::poll_fn(move |cx| pending.poll_recv(cx));
-                use futures::StreamExt;
-                writes
-                    .for_each_concurrent(CONCURRENCY, |event| write(&client, &replica_id, event))
-                    .await;
+                let mut pace =
+                    tokio::time::interval(Duration::from_millis(1000 / EVENTS_PER_SECOND));
+                pace.set_missed_tick_behavior(MissedTickBehavior::Delay);
+                while let Some(event) = pending.recv().await {
+                    pace.tick().await;
+                    write(&client, &replica_id, event).await;
+                }
             }
             .instrument(tracing::info_span!("event_writer")),
         );

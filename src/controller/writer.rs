@@ -1,6 +1,7 @@
 //! The Deployment writer: applies `decide::workload_writes` output (patches and Events) in
-//! background tasks, at most `PATCH_CONCURRENCY` at once, so annotations for one SPIRE batch
-//! go out while the next batch is still in flight.
+//! background tasks, a few at once while the sync is still creating SPIRE entries and at most
+//! `PATCH_CONCURRENCY` after, so annotations for one SPIRE batch go out while the next batch
+//! is still in flight without starving it.
 
 use super::decide::WorkloadWrite;
 use super::desired::{DeploymentKey, Desired};
@@ -15,8 +16,14 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::info;
 
-/// Deployment patches and Events in flight at once.
+/// Deployment patches in flight at once.
 const PATCH_CONCURRENCY: usize = 16;
+/// …while SPIRE entries are still being created in the same sync. On a small control plane
+/// the apiserver applying patches and spire-server creating entries share the CPU; the entry
+/// is what gives a workload its identity (the annotation only records it), so the patches
+/// yield: at 10,000 Deployments on 2 cores, all 5,000 entries took 67 s with 16 patches in
+/// flight, against 19 s for SPIRE alone.
+const PATCH_CONCURRENCY_WHILE_CREATING: usize = 2;
 
 pub struct WorkloadWriter {
     client: Client,
@@ -28,6 +35,8 @@ pub struct WorkloadWriter {
     /// same cache would only repeat it.
     written: HashSet<DeploymentKey>,
     permits: Arc<Semaphore>,
+    /// Whether the creates of this sync are done and patches run at full concurrency.
+    full_speed: bool,
     tasks: JoinSet<bool>,
 }
 
@@ -44,8 +53,18 @@ impl WorkloadWriter {
             metrics,
             deployments: deployments.iter().map(|d| (d.key(), d.clone())).collect(),
             written: HashSet::new(),
-            permits: Arc::new(Semaphore::new(PATCH_CONCURRENCY)),
+            permits: Arc::new(Semaphore::new(PATCH_CONCURRENCY_WHILE_CREATING)),
+            full_speed: false,
             tasks: JoinSet::new(),
+        }
+    }
+
+    /// The sync's SPIRE creates are done (or there are none): patches take the whole bound.
+    pub fn full_speed(&mut self) {
+        if !self.full_speed {
+            self.full_speed = true;
+            self.permits
+                .add_permits(PATCH_CONCURRENCY - PATCH_CONCURRENCY_WHILE_CREATING);
         }
     }
 
@@ -106,6 +125,7 @@ impl WorkloadWriter {
 
     /// Waits for every write; true when a patch failed (the sync is then retried).
     pub async fn finish(mut self) -> bool {
+        self.full_speed();
         let mut failed = false;
         while let Some(result) = self.tasks.join_next().await {
             failed |= result.unwrap_or(true);
