@@ -1,7 +1,9 @@
-//! The Deployment writer: applies `decide::workload_writes` output (patches and Events) in
-//! background tasks, a few at once while the sync is still creating SPIRE entries and at most
+//! The Deployment writer: applies `decide::workload_writes` output (patches and Events) in a
+//! background task, a few at once while the sync is still creating SPIRE entries and at most
 //! `PATCH_CONCURRENCY` after, so annotations for one SPIRE batch go out while the next batch
-//! is still in flight without starving it.
+//! is still in flight without starving it. Writes wait in a queue as plain data; only those
+//! in flight are futures (a kube request future is kilobytes: a first sync of 10,000
+//! Deployments spawned as tasks at once took tens of MiB).
 
 use super::decide::WorkloadWrite;
 use super::desired::{DeploymentKey, Desired};
@@ -9,12 +11,14 @@ use super::events::EventSink;
 use super::metrics::ControllerMetrics;
 use super::record::write_workload;
 use crate::index::DeploymentRecord;
+use futures::StreamExt;
 use kube::Client;
+use prometheus::IntCounter;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
-use tracing::info;
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinHandle;
+use tracing::{Instrument, info};
 
 /// Deployment patches in flight at once.
 const PATCH_CONCURRENCY: usize = 16;
@@ -26,8 +30,6 @@ const PATCH_CONCURRENCY: usize = 16;
 const PATCH_CONCURRENCY_WHILE_CREATING: usize = 2;
 
 pub struct WorkloadWriter {
-    client: Client,
-    events: EventSink,
     metrics: ControllerMetrics,
     /// The cached objects the writes are computed against (patches test what they rely on).
     deployments: HashMap<DeploymentKey, Arc<DeploymentRecord>>,
@@ -37,7 +39,17 @@ pub struct WorkloadWriter {
     permits: Arc<Semaphore>,
     /// Whether the creates of this sync are done and patches run at full concurrency.
     full_speed: bool,
-    tasks: JoinSet<bool>,
+    queue: mpsc::UnboundedSender<Job>,
+    /// Runs the queue; true when a patch failed.
+    driver: JoinHandle<bool>,
+}
+
+/// One queued write.
+struct Job {
+    deployment: Arc<DeploymentRecord>,
+    write: WorkloadWrite,
+    /// `spiffe_registration_total{namespace}`, counted once the entry-id is on the object.
+    registrations: IntCounter,
 }
 
 impl WorkloadWriter {
@@ -47,15 +59,20 @@ impl WorkloadWriter {
         metrics: ControllerMetrics,
         deployments: &[Arc<DeploymentRecord>],
     ) -> Self {
+        let permits = Arc::new(Semaphore::new(PATCH_CONCURRENCY_WHILE_CREATING));
+        let (queue, jobs) = mpsc::unbounded_channel();
+        let driver = tokio::spawn(
+            drive(client, events, permits.clone(), jobs)
+                .instrument(tracing::info_span!("workload_writer")),
+        );
         Self {
-            client,
-            events,
             metrics,
             deployments: deployments.iter().map(|d| (d.key(), d.clone())).collect(),
             written: HashSet::new(),
-            permits: Arc::new(Semaphore::new(PATCH_CONCURRENCY_WHILE_CREATING)),
+            permits,
             full_speed: false,
-            tasks: JoinSet::new(),
+            queue,
+            driver,
         }
     }
 
@@ -78,25 +95,15 @@ impl WorkloadWriter {
                 continue;
             };
             self.count(desired, &write);
-            let (client, events) = (self.client.clone(), self.events.clone());
-            let permits = self.permits.clone();
             let registrations = self
                 .metrics
                 .registrations
                 .with_label_values(&[&*write.key.namespace]);
-            self.tasks.spawn(async move {
-                let _permit = permits
-                    .acquire_owned()
-                    .await
-                    .expect("the writer's semaphore is never closed");
-                let failed =
-                    write_workload(&client, &events, deployment, write.change, write.announce)
-                        .await;
-                // Counted once the entry-id is on the object, not when it is decided.
-                if write.registered && !failed {
-                    registrations.inc();
-                }
-                failed
+            // The driver lives until `finish` drops the queue, so this cannot fail.
+            let _ = self.queue.send(Job {
+                deployment,
+                write,
+                registrations,
             });
         }
     }
@@ -126,10 +133,42 @@ impl WorkloadWriter {
     /// Waits for every write; true when a patch failed (the sync is then retried).
     pub async fn finish(mut self) -> bool {
         self.full_speed();
-        let mut failed = false;
-        while let Some(result) = self.tasks.join_next().await {
-            failed |= result.unwrap_or(true);
-        }
-        failed
+        drop(self.queue);
+        self.driver.await.unwrap_or(true)
     }
+}
+
+/// Runs queued writes, at most `PATCH_CONCURRENCY` futures at once, each also holding one of
+/// `permits` while it writes; true when a patch failed.
+async fn drive(
+    client: Client,
+    events: EventSink,
+    permits: Arc<Semaphore>,
+    jobs: mpsc::UnboundedReceiver<Job>,
+) -> bool {
+    let mut jobs = jobs;
+    futures::stream::poll_fn(move |cx| jobs.poll_recv(cx))
+        .map(|job| {
+            let (client, events, permits) = (&client, &events, &permits);
+            async move {
+                let Job {
+                    deployment,
+                    write,
+                    registrations,
+                } = job;
+                let _permit = permits
+                    .acquire()
+                    .await
+                    .expect("the writer's semaphore is never closed");
+                let failed =
+                    write_workload(client, events, deployment, write.change, write.announce).await;
+                if write.registered && !failed {
+                    registrations.inc();
+                }
+                failed
+            }
+        })
+        .buffer_unordered(PATCH_CONCURRENCY)
+        .fold(false, |failed, this| async move { failed | this })
+        .await
 }
