@@ -341,7 +341,6 @@ impl<A: EntryApi> Controller<A> {
             );
             writer.spawn(desired, writes);
         }
-        writer.full_speed();
         let rest = SpirePlan {
             update: plan.update.clone(),
             delete: later,

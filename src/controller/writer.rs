@@ -1,7 +1,6 @@
 //! The Deployment writer: applies `decide::workload_writes` output (patches and Events) in a
-//! background task, a few at once while the sync is still creating SPIRE entries and at most
-//! `PATCH_CONCURRENCY` after, so annotations for one SPIRE batch go out while the next batch
-//! is still in flight without starving it. Writes wait in a queue as plain data; only those
+//! background task, at most `PATCH_CONCURRENCY` at once, so annotations for one SPIRE batch
+//! go out while the next batch is still in flight. Writes wait in a queue as plain data; only those
 //! in flight are futures (a kube request future is kilobytes: a first sync of 10,000
 //! Deployments spawned as tasks at once took tens of MiB).
 
@@ -16,18 +15,14 @@ use kube::Client;
 use prometheus::IntCounter;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{Instrument, info};
 
-/// Deployment patches in flight at once.
+/// Deployment patches in flight at once. (Fewer while SPIRE entries are being created did not
+/// bring the entries sooner: at 10,000 Deployments SPIRE's own create rate bounds them, and
+/// the annotations only came later.)
 const PATCH_CONCURRENCY: usize = 16;
-/// …while SPIRE entries are still being created in the same sync. On a small control plane
-/// the apiserver applying patches and spire-server creating entries share the CPU; the entry
-/// is what gives a workload its identity (the annotation only records it), so the patches
-/// yield: at 10,000 Deployments on 2 cores, all 5,000 entries took 67 s with 16 patches in
-/// flight, against 19 s for SPIRE alone.
-const PATCH_CONCURRENCY_WHILE_CREATING: usize = 2;
 
 pub struct WorkloadWriter {
     metrics: ControllerMetrics,
@@ -36,9 +31,6 @@ pub struct WorkloadWriter {
     /// Deployments already handed a write this sync: a later, wider pass computed from the
     /// same cache would only repeat it.
     written: HashSet<DeploymentKey>,
-    permits: Arc<Semaphore>,
-    /// Whether the creates of this sync are done and patches run at full concurrency.
-    full_speed: bool,
     queue: mpsc::UnboundedSender<Job>,
     /// Runs the queue; true when a patch failed.
     driver: JoinHandle<bool>,
@@ -59,29 +51,16 @@ impl WorkloadWriter {
         metrics: ControllerMetrics,
         deployments: &[Arc<DeploymentRecord>],
     ) -> Self {
-        let permits = Arc::new(Semaphore::new(PATCH_CONCURRENCY_WHILE_CREATING));
         let (queue, jobs) = mpsc::unbounded_channel();
         let driver = tokio::spawn(
-            drive(client, events, permits.clone(), jobs)
-                .instrument(tracing::info_span!("workload_writer")),
+            drive(client, events, jobs).instrument(tracing::info_span!("workload_writer")),
         );
         Self {
             metrics,
             deployments: deployments.iter().map(|d| (d.key(), d.clone())).collect(),
             written: HashSet::new(),
-            permits,
-            full_speed: false,
             queue,
             driver,
-        }
-    }
-
-    /// The sync's SPIRE creates are done (or there are none): patches take the whole bound.
-    pub fn full_speed(&mut self) {
-        if !self.full_speed {
-            self.full_speed = true;
-            self.permits
-                .add_permits(PATCH_CONCURRENCY - PATCH_CONCURRENCY_WHILE_CREATING);
         }
     }
 
@@ -131,35 +110,24 @@ impl WorkloadWriter {
     }
 
     /// Waits for every write; true when a patch failed (the sync is then retried).
-    pub async fn finish(mut self) -> bool {
-        self.full_speed();
+    pub async fn finish(self) -> bool {
         drop(self.queue);
         self.driver.await.unwrap_or(true)
     }
 }
 
-/// Runs queued writes, at most `PATCH_CONCURRENCY` futures at once, each also holding one of
-/// `permits` while it writes; true when a patch failed.
-async fn drive(
-    client: Client,
-    events: EventSink,
-    permits: Arc<Semaphore>,
-    jobs: mpsc::UnboundedReceiver<Job>,
-) -> bool {
+/// Runs queued writes, at most `PATCH_CONCURRENCY` at once; true when a patch failed.
+async fn drive(client: Client, events: EventSink, jobs: mpsc::UnboundedReceiver<Job>) -> bool {
     let mut jobs = jobs;
     futures::stream::poll_fn(move |cx| jobs.poll_recv(cx))
         .map(|job| {
-            let (client, events, permits) = (&client, &events, &permits);
+            let (client, events) = (&client, &events);
             async move {
                 let Job {
                     deployment,
                     write,
                     registrations,
                 } = job;
-                let _permit = permits
-                    .acquire()
-                    .await
-                    .expect("the writer's semaphore is never closed");
                 let failed =
                     write_workload(client, events, deployment, write.change, write.announce).await;
                 if write.registered && !failed {
