@@ -19,7 +19,6 @@ pub use crd::{SpiffeRegistration, SpiffeRegistrationSpec, SpiffeRegistrationStat
 pub use labels::{LabelSource, Labels};
 pub use render::{Identity, RenderError, Workload};
 
-use k8s_openapi::api::apps::v1::Deployment;
 use std::collections::BTreeMap;
 
 /// The namespace label that opts a namespace in (`spiffe.io/registrar=enabled` by default).
@@ -79,27 +78,6 @@ impl Resolution<'_> {
     }
 }
 
-/// The pod template's service account, `default` when unset (as the kubelet would run it).
-pub fn service_account_of(deployment: &Deployment) -> &str {
-    deployment
-        .spec
-        .as_ref()
-        .and_then(|spec| spec.template.spec.as_ref())
-        .and_then(|pod| {
-            pod.service_account_name
-                .as_deref()
-                .or(pod.service_account.as_deref())
-        })
-        .filter(|sa| !sa.is_empty())
-        .unwrap_or("default")
-}
-
-/// The labels of a Deployment (empty when it has none).
-pub fn labels_of(deployment: &Deployment) -> &BTreeMap<String, String> {
-    static EMPTY: BTreeMap<String, String> = BTreeMap::new();
-    deployment.metadata.labels.as_ref().unwrap_or(&EMPTY)
-}
-
 /// Resolves the policy and identity of one service account: `namespace` with
 /// `namespace_labels` (`None` when the namespace is not known or not opted in), whose live
 /// Deployments carry `deployment_labels`. Resolution is per service account, not per
@@ -143,6 +121,7 @@ pub mod testing;
 mod tests {
     use super::testing::{mk_deployment, mk_policy};
     use super::*;
+    use k8s_openapi::api::apps::v1::Deployment;
     use kube::ResourceExt;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -157,12 +136,13 @@ mod tests {
         deployment: &Deployment,
         policies: &[&SpiffeRegistration],
     ) -> String {
+        let record = crate::index::DeploymentRecord::from(deployment);
         let resolution = resolve(
             &OptIn::default(),
             "ns",
             namespace_labels,
-            service_account_of(deployment),
-            [labels_of(deployment)],
+            &record.service_account,
+            [&record.labels],
             policies.iter().copied(),
         );
         match resolution {
