@@ -1,4 +1,5 @@
-// The one unsafe call of the binary is the allocator option in `return_freed_memory_promptly`.
+// The binary's unsafe code: the allocator option in `return_freed_memory_promptly` and the
+// counting allocator wrapper `Counted`.
 #![deny(unsafe_code)]
 
 use clap::{Parser, Subcommand};
@@ -11,8 +12,65 @@ use std::time::Duration;
 /// thread's arena, and at 10,000 Deployments the process held 87 MB of heap for 26 MB in use.
 /// mimalloc returns freed pages to the OS (see `return_freed_memory_promptly`), so RSS follows
 /// what is live (the README's memory sizing).
+#[cfg(not(feature = "heap-profile"))]
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: Counted<mimalloc::MiMalloc> = Counted(mimalloc::MiMalloc);
+
+/// Counts the bytes in use for the `heap_live_bytes` gauge (`telemetry::heap`), so an
+/// operator can tell data we hold from pages the allocator keeps.
+struct Counted<A>(A);
+
+// SAFETY: every call is forwarded unchanged to the inner allocator; the counting has no
+// effect on the memory handed out.
+#[allow(unsafe_code)]
+unsafe impl<A: std::alloc::GlobalAlloc> std::alloc::GlobalAlloc for Counted<A> {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: the caller's contract is passed on.
+        let pointer = unsafe { self.0.alloc(layout) };
+        if !pointer.is_null() {
+            spiffe_registrar::telemetry::heap::allocated(layout.size());
+        }
+        pointer
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: as above.
+        let pointer = unsafe { self.0.alloc_zeroed(layout) };
+        if !pointer.is_null() {
+            spiffe_registrar::telemetry::heap::allocated(layout.size());
+        }
+        pointer
+    }
+
+    unsafe fn dealloc(&self, pointer: *mut u8, layout: std::alloc::Layout) {
+        spiffe_registrar::telemetry::heap::freed(layout.size());
+        // SAFETY: as above.
+        unsafe { self.0.dealloc(pointer, layout) }
+    }
+
+    unsafe fn realloc(
+        &self,
+        pointer: *mut u8,
+        layout: std::alloc::Layout,
+        new_size: usize,
+    ) -> *mut u8 {
+        // SAFETY: as above.
+        let moved = unsafe { self.0.realloc(pointer, layout, new_size) };
+        if !moved.is_null() {
+            spiffe_registrar::telemetry::heap::freed(layout.size());
+            spiffe_registrar::telemetry::heap::allocated(new_size);
+        }
+        moved
+    }
+}
+
+/// `--features heap-profile`: every allocation is attributed to its call site, and on a clean
+/// exit the profile (peak and final heap, by call site) is written to `$DHAT_FILE`
+/// (default `dhat-heap.json`), readable with dhat's viewer. For finding what grows with the
+/// number of Deployments; far too slow for production.
+#[cfg(feature = "heap-profile")]
+#[global_allocator]
+static ALLOCATOR: dhat::Alloc = dhat::Alloc;
 
 /// mimalloc's `purge_delay` option (milliseconds; its index in mimalloc 3's option table,
 /// checked by the test below against the option's unique default of 1000).
@@ -72,6 +130,10 @@ enum CertsCommand {
 }
 
 fn main() -> anyhow::Result<()> {
+    #[cfg(feature = "heap-profile")]
+    let _profiler = dhat::Profiler::builder()
+        .file_name(std::env::var_os("DHAT_FILE").unwrap_or_else(|| "dhat-heap.json".into()))
+        .build();
     return_freed_memory_promptly();
     rustls::crypto::ring::default_provider()
         .install_default()

@@ -89,6 +89,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     let ownership = ownership(&settings, &client).await?;
     let registrar_user = registrar_user(&client).await;
     let registry = Registry::new();
+    registry.register(Box::new(crate::telemetry::heap::HeapCollector::new()?))?;
     let readiness = Arc::new(Readiness::default());
 
     let trigger = Arc::new(Notify::new());

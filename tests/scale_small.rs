@@ -25,6 +25,8 @@ async fn the_scale_benchmark_runs_and_reports_every_figure() {
         "ratio_to_raw",
         "peak_rss_mib",
         "steady_rss_mib",
+        "peak_heap_mib",
+        "steady_heap_mib",
         "cpu_s_per_1000_status_updates",
         "namespace_delete_s",
     ] {
@@ -34,6 +36,14 @@ async fn the_scale_benchmark_runs_and_reports_every_figure() {
     assert!(
         report["status_updates"].as_u64().unwrap_or(0) >= 220,
         "{report}"
+    );
+    let (heap, rss) = (
+        report["steady_heap_mib"].as_f64().unwrap_or(f64::NAN),
+        report["steady_rss_mib"].as_f64().unwrap_or(f64::NAN),
+    );
+    assert!(
+        heap < rss,
+        "the counted heap ({heap} MiB) is part of RSS ({rss} MiB)"
     );
     assert_eq!(
         report["spire_calls_per_min_at_rest"], 0.0,

@@ -661,7 +661,7 @@ fn needs(
         add_finalizer: !workload.has_finalizer,
         ..Default::default()
     };
-    if workload.spiffe_id.as_ref() != Some(&entry.spiffe_id) {
+    if workload.spiffe_id.as_deref() != Some(entry.spiffe_id.as_str()) {
         change.spiffe_id = Some(Some(entry.spiffe_id.clone()));
     }
     if let Some(error) = failures.get(&entry.id) {
@@ -698,7 +698,7 @@ fn needs(
         }
         return (change, None, false);
     };
-    if workload.entry_id.as_ref() == Some(serving) {
+    if workload.entry_id.as_deref() == Some(serving.as_str()) {
         return (change, None, false);
     }
     let first = workload.entry_id.is_none();

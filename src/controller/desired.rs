@@ -105,9 +105,10 @@ pub struct Workload {
     /// Its namespace is being deleted: no Event can be written there any more.
     pub namespace_terminating: bool,
     pub has_finalizer: bool,
-    /// Our annotations as currently written (to know what to patch, never as truth).
-    pub spiffe_id: Option<String>,
-    pub entry_id: Option<String>,
+    /// Our annotations as currently written (to know what to patch, never as truth). Shared
+    /// with the cached record: a sync copies no string per Deployment.
+    pub spiffe_id: Option<Arc<str>>,
+    pub entry_id: Option<Arc<str>>,
     pub created: Option<k8s_openapi::jiff::Timestamp>,
 }
 
@@ -185,8 +186,14 @@ pub fn compute(
                 deleting,
                 namespace_terminating,
                 has_finalizer: deployment.has_finalizer(),
-                spiffe_id: deployment.spiffe_id().map(str::to_string),
-                entry_id: deployment.entry_id().map(str::to_string),
+                spiffe_id: deployment
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.spiffe_id.clone()),
+                entry_id: deployment
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.entry_id.clone()),
                 created: deployment.created,
             },
         );

@@ -42,7 +42,7 @@ pub fn operations(deployment: &DeploymentRecord, change: &MetadataChange) -> Vec
     let finalizers: Vec<&str> = deployment
         .finalizers
         .iter()
-        .flatten()
+        .flat_map(|list| list.iter())
         .map(AsRef::as_ref)
         .collect();
     let add = change.add_finalizer && !finalizers.contains(&FINALIZER);

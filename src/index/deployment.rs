@@ -24,8 +24,10 @@ const OUR_ANNOTATION_PREFIX: &str = "registrar.spiffe.io/";
 /// Our annotations as they are on the object (never trusted as truth: see `decide`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OurAnnotations {
-    pub spiffe_id: Option<Box<str>>,
-    pub entry_id: Option<Box<str>>,
+    /// Both values are the same for every Deployment of a service account; the store shares
+    /// one copy among them (`store::Shared`).
+    pub spiffe_id: Option<Arc<str>>,
+    pub entry_id: Option<Arc<str>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,8 +45,9 @@ pub struct DeploymentRecord {
     /// The pod template's service account, `default` when unset (as the kubelet runs it).
     pub service_account: Arc<str>,
     pub labels: Labels,
-    /// `None` when the object has no finalizer list (JSON Patch paths depend on it).
-    pub finalizers: Option<Box<[Box<str>]>>,
+    /// `None` when the object has no finalizer list (JSON Patch paths depend on it). Shared:
+    /// nearly every Deployment carries the same list (ours alone).
+    pub finalizers: Option<Arc<[Box<str>]>>,
     /// `None` when the object has no annotation map at all (likewise).
     pub annotations: Option<OurAnnotations>,
 }
@@ -58,8 +61,8 @@ impl DeploymentRecord {
         service_account: Option<&str>,
     ) -> Self {
         let annotations = meta.annotations.as_ref().map(|all| OurAnnotations {
-            spiffe_id: all.get(SPIFFE_ID_ANNOTATION).map(|v| Box::from(v.as_str())),
-            entry_id: all.get(ENTRY_ID_ANNOTATION).map(|v| Box::from(v.as_str())),
+            spiffe_id: all.get(SPIFFE_ID_ANNOTATION).map(|v| Arc::from(v.as_str())),
+            entry_id: all.get(ENTRY_ID_ANNOTATION).map(|v| Arc::from(v.as_str())),
         });
         let service_account = service_account_name
             .or(service_account)
@@ -99,7 +102,7 @@ impl DeploymentRecord {
     pub fn has_finalizer(&self) -> bool {
         self.finalizers
             .iter()
-            .flatten()
+            .flat_map(|list| list.iter())
             .any(|f| f.as_ref() == FINALIZER)
     }
 

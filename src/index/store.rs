@@ -5,7 +5,7 @@
 
 use super::deployment::{DeploymentRecord, WatchedDeployment};
 use kube::runtime::watcher;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 use tokio::sync::watch;
 
@@ -17,17 +17,88 @@ struct Contents {
     by_namespace: Namespaces,
     /// A relist in progress: filled by `InitApply`, swapped in at `InitDone`.
     relisting: Option<Namespaces>,
+    shared: Shared,
 }
 
-/// Stores `record`, sharing its namespace string with the namespace's other records and its
-/// name with the map key.
-fn insert(into: &mut Namespaces, mut record: DeploymentRecord) -> Option<Arc<DeploymentRecord>> {
-    if let Some((namespace, _)) = into.get_key_value(&*record.namespace) {
-        record.namespace = namespace.clone();
+/// One copy of each value that many records repeat: the namespace, the service account
+/// (two or more Deployments per account), our annotations (one value per account), the
+/// finalizer list (ours alone, nearly always). At 50,000 Deployments a copy per record is
+/// several MiB of identical strings.
+#[derive(Default)]
+struct Shared {
+    strings: HashSet<Arc<str>>,
+    finalizer_lists: HashSet<Arc<[Box<str>]>>,
+    /// Records replaced or removed since values nobody uses any more were dropped.
+    released: usize,
+}
+
+/// Values are dropped from `Shared` once this many records were released, or as many as
+/// it holds, whichever is more: the sweep is O(values), so it stays amortised O(1).
+const SWEEP_AFTER: usize = 4096;
+
+impl Shared {
+    fn string(&mut self, value: &Arc<str>) -> Arc<str> {
+        if let Some(shared) = self.strings.get(value) {
+            return shared.clone();
+        }
+        self.strings.insert(value.clone());
+        value.clone()
     }
-    into.entry(record.namespace.clone())
+
+    fn share(&mut self, record: &mut DeploymentRecord) {
+        record.namespace = self.string(&record.namespace);
+        record.service_account = self.string(&record.service_account);
+        if let Some(annotations) = &mut record.annotations {
+            for value in [&mut annotations.spiffe_id, &mut annotations.entry_id]
+                .into_iter()
+                .flatten()
+            {
+                *value = self.string(value);
+            }
+        }
+        if let Some(list) = &mut record.finalizers {
+            *list = match self.finalizer_lists.get(list) {
+                Some(shared) => shared.clone(),
+                None => {
+                    self.finalizer_lists.insert(list.clone());
+                    list.clone()
+                }
+            };
+        }
+    }
+
+    /// Notes that a record was replaced or removed; drops unused values now and then.
+    fn released(&mut self) {
+        self.released += 1;
+        if self.released >= SWEEP_AFTER.max(self.strings.len()) {
+            self.sweep();
+        }
+    }
+
+    /// Drops the values only this table still holds.
+    fn sweep(&mut self) {
+        self.strings.retain(|s| Arc::strong_count(s) > 1);
+        self.finalizer_lists.retain(|l| Arc::strong_count(l) > 1);
+        self.released = 0;
+    }
+}
+
+/// Stores `record` with its repeated values shared (see `Shared`) and its name shared with
+/// the map key.
+fn insert(
+    into: &mut Namespaces,
+    shared: &mut Shared,
+    mut record: DeploymentRecord,
+) -> Option<Arc<DeploymentRecord>> {
+    shared.share(&mut record);
+    let previous = into
+        .entry(record.namespace.clone())
         .or_default()
-        .insert(record.name.clone(), Arc::new(record))
+        .insert(record.name.clone(), Arc::new(record));
+    if previous.is_some() {
+        shared.released();
+    }
+    previous
 }
 
 /// Read side, cheap to clone; shared by the webhook and the controller.
@@ -118,16 +189,26 @@ impl DeploymentStoreWriter {
     pub fn apply(&self, event: watcher::Event<WatchedDeployment>) -> bool {
         match event {
             watcher::Event::Apply(object) => {
-                let record = object.record();
                 let mut contents = self.write();
-                let previous = insert(&mut contents.by_namespace, record.clone());
-                previous.is_none_or(|old| old.differs_for_decisions(&record))
+                let Contents {
+                    by_namespace,
+                    shared,
+                    ..
+                } = &mut *contents;
+                let record = object.record();
+                let key = (record.namespace.clone(), record.name.clone());
+                let previous = insert(by_namespace, shared, record);
+                let stored = &by_namespace[&key.0][&key.1];
+                previous.is_none_or(|old| old.differs_for_decisions(stored))
             }
             watcher::Event::Delete(object) => {
                 let record = object.record();
                 let mut contents = self.write();
                 let namespace = contents.by_namespace.get_mut(&*record.namespace);
                 let removed = namespace.and_then(|n| n.remove(&*record.name)).is_some();
+                if removed {
+                    contents.shared.released();
+                }
                 if contents
                     .by_namespace
                     .get(&*record.namespace)
@@ -143,14 +224,21 @@ impl DeploymentStoreWriter {
             }
             watcher::Event::InitApply(object) => {
                 let mut contents = self.write();
-                let relisting = contents.relisting.get_or_insert_with(HashMap::new);
-                insert(relisting, object.record());
+                let Contents {
+                    relisting, shared, ..
+                } = &mut *contents;
+                insert(
+                    relisting.get_or_insert_with(HashMap::new),
+                    shared,
+                    object.record(),
+                );
                 false
             }
             watcher::Event::InitDone => {
                 {
                     let mut contents = self.write();
                     contents.by_namespace = contents.relisting.take().unwrap_or_default();
+                    contents.shared.sweep();
                 }
                 self.ready.send_replace(true);
                 true
@@ -216,5 +304,55 @@ mod tests {
         writer.apply(watcher::Event::InitDone);
         assert_eq!(store.len(), 1);
         assert!(store.get("c", "new").is_some());
+    }
+
+    #[tokio::test]
+    async fn repeated_values_are_stored_once_and_dropped_when_unused() {
+        use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER};
+        let ours = |name: &str, version: &str| {
+            let mut d = mk_deployment("a", name, Some("api"), &[("app", name)]);
+            d.metadata.resource_version = Some(version.into());
+            d.metadata.finalizers = Some(vec![FINALIZER.into()]);
+            d.metadata.annotations = Some([(ENTRY_ID_ANNOTATION.into(), "sreg.c.1".into())].into());
+            serde_json::from_value::<WatchedDeployment>(
+                serde_json::to_value(d).expect("serializes"),
+            )
+            .expect("decodes")
+        };
+        let (store, writer) = store();
+        writer.apply(watcher::Event::Init);
+        writer.apply(watcher::Event::InitApply(ours("web", "1")));
+        writer.apply(watcher::Event::InitApply(ours("db", "2")));
+        writer.apply(watcher::Event::InitDone);
+        let (web, db) = (
+            store.get("a", "web").unwrap(),
+            store.get("a", "db").unwrap(),
+        );
+        assert!(Arc::ptr_eq(&web.namespace, &db.namespace));
+        assert!(Arc::ptr_eq(&web.service_account, &db.service_account));
+        let entry_id =
+            |r: &DeploymentRecord| r.annotations.as_ref().unwrap().entry_id.clone().unwrap();
+        assert!(Arc::ptr_eq(&entry_id(&web), &entry_id(&db)));
+        assert!(Arc::ptr_eq(
+            web.finalizers.as_ref().unwrap(),
+            db.finalizers.as_ref().unwrap()
+        ));
+        assert!(!writer.apply(watcher::Event::Apply(ours("web", "3"))));
+        assert!(
+            web.differs_for_decisions(&db),
+            "different names still differ"
+        );
+        drop((web, db));
+
+        // A relist that finds nothing leaves nothing shared behind.
+        writer.apply(watcher::Event::Init);
+        writer.apply(watcher::Event::InitDone);
+        let contents = writer.contents.read().unwrap();
+        assert!(
+            contents.shared.strings.is_empty(),
+            "{:?}",
+            contents.shared.strings
+        );
+        assert!(contents.shared.finalizer_lists.is_empty());
     }
 }

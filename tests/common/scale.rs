@@ -36,6 +36,7 @@ pub const NAMESPACES: usize = 50;
 /// hour on 2 cores, and the rate does not change with the count.
 const SAMPLE: usize = 5_000;
 const CLUSTER: &str = "scale";
+const MIB: f64 = 1024.0 * 1024.0;
 const WAIT: Duration = Duration::from_secs(3600);
 
 #[derive(Clone, Debug)]
@@ -458,6 +459,7 @@ pub async fn run(config: Config) -> Value {
 
     tokio::time::sleep(Duration::from_secs(2)).await;
     let steady_rss_mib = proc_field(pid, "VmRSS:");
+    let steady_heap_mib = registrar.metric("heap_live_bytes", &[]) / MIB;
     let calls = registrar.spire_calls();
     progress(&format!("at rest for {} s", rest.as_secs()));
     tokio::time::sleep(rest).await;
@@ -490,6 +492,7 @@ pub async fn run(config: Config) -> Value {
     })
     .await;
     let peak_rss_mib = proc_field(pid, "VmHWM:");
+    let peak_heap_mib = registrar.metric("heap_peak_bytes", &[]) / MIB;
     let syncs = registrar.metric("reconcile_duration_seconds_count", &[]);
     let sync_ms_mean =
         registrar.metric("reconcile_duration_seconds_sum", &[]) * 1000.0 / syncs.max(1.0);
@@ -513,6 +516,8 @@ pub async fn run(config: Config) -> Value {
         "derive_ms_mean": derive_ms_mean,
         "peak_rss_mib": peak_rss_mib,
         "steady_rss_mib": steady_rss_mib,
+        "peak_heap_mib": peak_heap_mib,
+        "steady_heap_mib": steady_heap_mib,
         "cpu_s_per_1000_status_updates": cpu_s_per_1000_status_updates,
         "status_updates": updates,
         "spire_calls_per_min_at_rest": spire_calls_per_min_at_rest,

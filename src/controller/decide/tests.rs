@@ -617,7 +617,7 @@ fn an_out_of_scope_deployment_keeps_its_finalizer_until_the_entry_is_gone() {
         .workloads
         .get_mut(&dk("a", "web"))
         .expect("web")
-        .entry_id = Some(e.id.clone());
+        .entry_id = Some(e.id.as_str().into());
     let plan = w.decide(0);
     let writes = w.writes(&plan, &Failures::new());
     assert!(writes[0].change.is_empty());
@@ -647,7 +647,7 @@ fn a_forged_entry_id_is_corrected_and_pins_nothing() {
         .workloads
         .get_mut(&dk("a", "web"))
         .expect("web")
-        .entry_id = Some(victim.id.clone());
+        .entry_id = Some(victim.id.as_str().into());
     let plan = w.decide(0);
     assert_eq!(
         ids(&plan.delete),
@@ -673,8 +673,8 @@ fn registration_is_announced_once() {
     );
     // The patch landed.
     let web = w.desired.workloads.get_mut(&dk("a", "web")).expect("web");
-    web.entry_id = Some(e.id.clone());
-    web.spiffe_id = Some(e.spiffe_id.clone());
+    web.entry_id = Some(e.id.as_str().into());
+    web.spiffe_id = Some(e.spiffe_id.as_str().into());
     let plan = w.decide(1);
     assert!(w.writes(&plan, &Failures::new()).is_empty());
 }
@@ -733,7 +733,7 @@ fn a_terminating_namespace_releases_its_deployments_without_events() {
     w.deleting("a", "web", "api");
     let web = w.desired.workloads.get_mut(&dk("a", "web")).expect("web");
     web.namespace_terminating = true;
-    web.entry_id = Some(e.id.clone());
+    web.entry_id = Some(e.id.as_str().into());
     let plan = w.decide(0);
     assert_eq!(ids(&plan.delete), vec![e.id.as_str()]);
     w.apply(&plan);
