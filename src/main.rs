@@ -18,10 +18,12 @@ static ALLOCATOR: Counted<mimalloc::MiMalloc> = Counted(mimalloc::MiMalloc);
 
 /// Counts the bytes in use for the `heap_live_bytes` gauge (`telemetry::heap`), so an
 /// operator can tell data we hold from pages the allocator keeps.
+#[cfg(not(feature = "heap-profile"))]
 struct Counted<A>(A);
 
 // SAFETY: every call is forwarded unchanged to the inner allocator; the counting has no
 // effect on the memory handed out.
+#[cfg(not(feature = "heap-profile"))]
 #[allow(unsafe_code)]
 unsafe impl<A: std::alloc::GlobalAlloc> std::alloc::GlobalAlloc for Counted<A> {
     unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
