@@ -3,6 +3,7 @@
 
 use crate::certs::{CertSource, SecretSettings};
 use crate::controller::decide::DecideSettings;
+use crate::leader::ElectionSettings;
 use crate::policy::OptIn;
 use crate::spire::{ClientSettings, Ownership, SpireEndpoint};
 use clap::Args;
@@ -155,6 +156,22 @@ pub struct RunArgs {
     #[arg(long, env = "REGISTRAR_LEASE_DURATION", default_value = "15s", value_parser = parse_duration)]
     pub lease_duration: Duration,
 
+    /// A leader that has not renewed its Lease for this long stops writing (its in-flight
+    /// writes are cancelled). Must be shorter than --lease-duration by more than the longest
+    /// single write (4 s).
+    #[arg(long, env = "REGISTRAR_RENEW_DEADLINE", default_value = "10s", value_parser = parse_duration)]
+    pub renew_deadline: Duration,
+
+    /// Between attempts to acquire or renew the Lease.
+    #[arg(long, env = "REGISTRAR_LEASE_RETRY_PERIOD", default_value = "2s", value_parser = parse_duration)]
+    pub lease_retry_period: Duration,
+
+    /// A leader whose SPIRE calls have all failed for this long releases the Lease, and
+    /// competes again only once a probe of its SPIRE succeeds (so a replica that can reach
+    /// SPIRE leads).
+    #[arg(long, env = "REGISTRAR_SPIRE_UNUSABLE_AFTER", default_value = "12s", value_parser = parse_duration)]
+    pub spire_unusable_after: Duration,
+
     /// Identity of this replica in the Lease. Default: the pod name (HOSTNAME).
     #[arg(long, env = "HOSTNAME", default_value = "spiffe-registrar")]
     pub replica_id: String,
@@ -202,6 +219,8 @@ pub enum ConfigError {
     Resync,
     #[error("--deletion-brake-fraction must be between 0 and 1, got {0}")]
     BrakeFraction(f64),
+    #[error("leader election flags: {0}")]
+    Election(#[from] crate::leader::ElectionSettingsError),
 }
 
 /// Everything `run` needs, validated.
@@ -219,10 +238,15 @@ pub struct Settings {
     pub client: ClientSettings,
     pub namespace: String,
     pub resync_interval: Duration,
-    pub lease_duration: Duration,
+    pub election: ElectionSettings,
+    pub spire_unusable_after: Duration,
     pub replica_id: String,
     pub controller: bool,
 }
+
+/// Timeout of one Kubernetes write (patch, status, Event), so a write can never outlive the
+/// leadership it was issued under (see `leader`).
+pub const KUBE_WRITE_TIMEOUT: Duration = Duration::from_secs(4);
 
 impl Settings {
     /// Our entries' names under `cluster` (explicit or derived), with the previous names.
@@ -280,6 +304,14 @@ impl RunArgs {
             requests_per_second: self.spire_rps,
             ..ClientSettings::default()
         };
+        let election = ElectionSettings {
+            namespace: self.namespace.clone(),
+            identity: self.replica_id.clone(),
+            lease_duration: self.lease_duration,
+            renew_deadline: self.renew_deadline,
+            retry_period: self.lease_retry_period,
+        };
+        election.check(client.retry.call_timeout.max(KUBE_WRITE_TIMEOUT))?;
         Ok(Settings {
             cluster_name: self.cluster_name,
             previous_cluster_names: self.previous_cluster_names,
@@ -298,7 +330,8 @@ impl RunArgs {
             client,
             namespace: self.namespace,
             resync_interval: self.resync_interval,
-            lease_duration: self.lease_duration,
+            election,
+            spire_unusable_after: self.spire_unusable_after,
             replica_id: self.replica_id,
             controller: self.controller,
         })

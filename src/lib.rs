@@ -15,6 +15,7 @@ pub mod names;
 pub mod policy;
 pub mod run;
 pub mod spire;
+pub mod supervise;
 pub mod telemetry;
 pub mod version;
 pub mod webhook;

@@ -172,11 +172,15 @@ fn main() -> anyhow::Result<()> {
             let settings = args.validate()?;
             tracing::info!(version = spiffe_registrar::version::VERSION, "starting");
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(async move {
+            let outcome = runtime.block_on(async move {
                 let shutdown = tokio_util::sync::CancellationToken::new();
                 tokio::spawn(spiffe_registrar::run::stop_on_signal(shutdown.clone()));
                 spiffe_registrar::run::run(settings, shutdown).await
-            })?;
+            });
+            // Work still on the blocking pool (a recompute of desired state) must not hold
+            // the exit: SIGTERM is answered within seconds.
+            runtime.shutdown_timeout(std::time::Duration::from_millis(500));
+            outcome?;
         }
     }
     Ok(())

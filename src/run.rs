@@ -10,20 +10,23 @@ use crate::spire::Ownership;
 use crate::spire::metrics::SpireMetrics;
 use crate::spire::ownership::derived_cluster_name;
 use crate::spire::{GrpcEntryClient, connect};
+use crate::supervise::Supervisor;
 use crate::telemetry::{Readiness, admin_router};
 use crate::webhook::metrics::WebhookMetrics;
 use crate::webhook::tls::{serve, server_config};
 use crate::webhook::{WebhookState, router};
 use crate::{certs, index, leader};
+use futures::FutureExt;
 use k8s_openapi::api::authentication::v1::SelfSubjectReview;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::PostParams;
 use prometheus::Registry;
+use std::future::IntoFuture;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -39,11 +42,13 @@ pub enum RunError {
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
     #[error(transparent)]
-    Leader(#[from] leader::LeaderError),
-    #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
     #[error("the kube-system namespace has no UID to derive --cluster-name from; set it")]
     NoClusterUid,
+    #[error("Kubernetes client for writes: {0}")]
+    WriteClient(String),
+    #[error(transparent)]
+    TaskEnded(#[from] crate::supervise::TaskEnded),
 }
 
 /// The cluster name: the flag's, or derived from the kube-system namespace's UID.
@@ -90,52 +95,58 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     let registrar_user = registrar_user(&client).await;
     let registry = Registry::new();
     registry.register(Box::new(crate::telemetry::heap::HeapCollector::new()?))?;
+    registry.register(Box::new(crate::telemetry::kube_writes().clone()))?;
     let readiness = Arc::new(Readiness::default());
+    let mut tasks = Supervisor::default();
 
     let trigger = Arc::new(Notify::new());
-    let synced = readiness.gate("caches");
-    let (index, _watch_tasks) = index::start(
+    let (index, watch_tasks) = index::start(
         client.clone(),
         settings.opt_in.clone(),
         ownership.clone(),
         trigger.clone(),
-        synced.clone(),
+        readiness.handle("caches"),
     );
+    for (name, task) in ["namespace watch", "policy watch", "deployment watch"]
+        .into_iter()
+        .zip(watch_tasks)
+    {
+        tasks.watch(name, task);
+    }
 
-    let controller_task = if settings.controller {
-        let (leader, lease_task) = leader::elect(
-            client.clone(),
-            &settings.namespace,
-            &settings.replica_id,
-            settings.lease_duration,
-        )
-        .await?;
-        Some((
-            lease_task,
-            tokio::spawn(run_controller(
-                settings.clone(),
-                ownership.clone(),
-                client.clone(),
-                index.clone(),
-                ControllerMetrics::register(&registry)?,
-                SpireMetrics::register(&registry)?,
-                trigger,
-                leader,
-                synced,
-                shutdown.clone(),
-            )),
-        ))
+    // The admin port outlives `shutdown` a little: `/readyz` must say why we are going.
+    let admin_stop = CancellationToken::new();
+    if settings.controller {
+        let writes = write_client().await?;
+        let (leadership, lease_task) =
+            leader::elect(writes.clone(), settings.election.clone(), shutdown.clone());
+        tasks.watch_graceful("leader election", lease_task);
+        let controller = run_controller(
+            settings.clone(),
+            ownership.clone(),
+            writes,
+            index.clone(),
+            ControllerMetrics::register(&registry)?,
+            SpireMetrics::register(&registry)?,
+            trigger,
+            leadership,
+            shutdown.clone(),
+        );
+        tasks.watch_graceful(
+            "controller",
+            tokio::spawn(controller.instrument(tracing::info_span!("controller"))),
+        );
     } else {
         tracing::info!("controller disabled (--controller=false): serving the webhook only");
-        None
-    };
+    }
 
-    let (serving, _cert_task) = certs::start(
+    let (serving, cert_task) = certs::start(
         settings.certs.clone(),
         client.clone(),
-        readiness.gate("certificate"),
+        readiness.handle("certificate"),
     )
     .await?;
+    tasks.watch("certificate rotation", cert_task);
     let webhook = router(WebhookState {
         view: Arc::new(index.clone()),
         metrics: WebhookMetrics::register(&registry)?,
@@ -156,29 +167,48 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     tracing::info!(webhook = %settings.webhook_addr, admin = %settings.admin_addr, cluster = ownership.cluster(), "serving");
 
     let admin = admin_router(registry.clone(), readiness.clone());
-    let admin_shutdown = shutdown.clone();
-    let admin_task = tokio::spawn(async move {
-        let _ = axum::serve(admin_listener, admin)
-            .with_graceful_shutdown(admin_shutdown.cancelled_owned())
-            .await;
-    });
-    serve(
-        webhook_listener,
-        server_config(serving),
-        webhook,
-        shutdown.clone(),
-    )
-    .await;
-    let _ = admin_task.await;
-    if let Some((lease_task, controller)) = controller_task {
-        // The controller drops its leadership receiver when it ends; the Lease is then released
-        // so another replica takes over at once instead of after the lease duration.
-        let _ = controller.await;
-        let _ = tokio::time::timeout(Duration::from_secs(5), lease_task).await;
+    let admin_task = tokio::spawn(
+        axum::serve(admin_listener, admin)
+            .with_graceful_shutdown(admin_stop.clone().cancelled_owned())
+            .into_future()
+            .map(|_| ()),
+    );
+    let webhook_task = tokio::spawn(
+        serve(
+            webhook_listener,
+            server_config(serving),
+            webhook,
+            shutdown.clone(),
+        )
+        .instrument(tracing::info_span!("webhook")),
+    );
+    tasks.watch_graceful("webhook server", webhook_task);
+
+    let failure = tokio::select! {
+        _ = shutdown.cancelled() => None,
+        ended = tasks.first_to_end() => (!shutdown.is_cancelled()).then_some(ended),
+    };
+    if let Some(ended) = &failure {
+        tracing::error!(task = ended.task, how = %ended.how, "a long-lived task ended; not ready, exiting so the pod is restarted");
+        readiness.fail(ended.to_string());
+        shutdown.cancel();
+        // Long enough for a probe to see the reason, short enough to restart promptly.
+        tokio::time::sleep(FAILURE_NOTICE).await;
     }
+    // Shutdown ends the leadership term (cancelling the controller's writes) and releases the
+    // Lease, so another replica takes over at once instead of after the lease duration.
+    tasks.stop(Duration::from_secs(3)).await;
+    admin_stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_millis(500), admin_task).await;
     tracing::info!("stopped");
-    Ok(())
+    match failure {
+        Some(ended) => Err(RunError::TaskEnded(ended)),
+        None => Ok(()),
+    }
 }
+
+/// How long `/readyz` reports a failed task before the process exits.
+const FAILURE_NOTICE: Duration = Duration::from_secs(2);
 
 /// Connects to SPIRE (retrying: the webhook serves meanwhile) and runs the controller.
 #[allow(clippy::too_many_arguments)]
@@ -190,8 +220,7 @@ async fn run_controller(
     metrics: ControllerMetrics,
     spire_metrics: SpireMetrics,
     trigger: Arc<Notify>,
-    leader: tokio::sync::watch::Receiver<bool>,
-    synced: Arc<AtomicBool>,
+    leader: leader::Leadership,
     shutdown: CancellationToken,
 ) {
     let mut delay = Duration::from_secs(1);
@@ -216,7 +245,7 @@ async fn run_controller(
     ));
     let controller_settings = controller_settings(&settings, ownership);
     Controller::new(api, client, index, controller_settings, metrics)
-        .run(trigger, leader, synced, shutdown)
+        .run(trigger, leader, shutdown)
         .await;
     connection.shutdown().await;
 }
@@ -229,7 +258,20 @@ fn controller_settings(settings: &Settings, ownership: Ownership) -> ControllerS
         debounce: Duration::from_millis(200),
         replica_id: settings.replica_id.clone(),
         decide: settings.decide.clone(),
+        spire_unusable_after: settings.spire_unusable_after,
     }
+}
+
+/// A client for writes (Lease, patches, status, Events) whose requests time out after
+/// `KUBE_WRITE_TIMEOUT`: a write must never outlive the leadership it was issued under. The
+/// watches keep the default client (a watch is a long-lived request).
+async fn write_client() -> Result<kube::Client, RunError> {
+    let mut config = kube::Config::infer()
+        .await
+        .map_err(|error| RunError::WriteClient(error.to_string()))?;
+    config.read_timeout = Some(crate::config::KUBE_WRITE_TIMEOUT);
+    config.write_timeout = Some(crate::config::KUBE_WRITE_TIMEOUT);
+    Ok(kube::Client::try_from(config)?)
 }
 
 /// Cancels `shutdown` on SIGTERM (kubelet) or SIGINT (a terminal).
@@ -254,21 +296,17 @@ pub async fn plan(settings: Settings) -> Result<String, PlanError> {
     use std::fmt::Write;
     let client = kube::Client::try_default().await.map_err(RunError::from)?;
     let ownership = ownership(&settings, &client).await?;
-    let synced = Arc::new(AtomicBool::new(false));
+    let readiness = Readiness::default();
     let (index, tasks) = index::start(
         client,
         settings.opt_in.clone(),
         ownership.clone(),
         Arc::new(Notify::new()),
-        synced.clone(),
+        readiness.handle("caches"),
     );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while !synced.load(std::sync::atomic::Ordering::SeqCst) {
-        if tokio::time::Instant::now() > deadline {
-            return Err(PlanError::NotSynced);
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    tokio::time::timeout(Duration::from_secs(60), index.synced())
+        .await
+        .map_err(|_| PlanError::NotSynced)?;
     let connection = connect(&settings.spire, Duration::from_secs(30)).await?;
     let api = GrpcEntryClient::new(
         connection.channel.clone(),

@@ -25,31 +25,60 @@ pub fn init_logging(json: bool) {
     }
 }
 
-/// Readiness is the conjunction of named gates, each flipped once by its owner.
+/// Readiness: ready once every handle given out has been released (a cache synced, a
+/// certificate loaded), and never again once a long-lived task has failed.
 #[derive(Default)]
 pub struct Readiness {
-    gates: std::sync::Mutex<Vec<(&'static str, Arc<AtomicBool>)>>,
+    handles: std::sync::Mutex<Vec<(&'static str, Arc<AtomicBool>)>>,
+    failed: std::sync::Mutex<Option<String>>,
+}
+
+/// Held by whatever readiness waits for; `release` says it is done. A handle can only be
+/// released, never taken back, so readiness cannot flap with a polled flag.
+#[must_use = "readiness waits until this handle is released"]
+pub struct ReadyHandle {
+    released: Arc<AtomicBool>,
+}
+
+impl ReadyHandle {
+    pub fn release(self) {
+        self.released.store(true, Ordering::SeqCst);
+    }
 }
 
 impl Readiness {
-    /// A new gate, initially not ready.
-    pub fn gate(&self, name: &'static str) -> Arc<AtomicBool> {
-        let flag = Arc::new(AtomicBool::new(false));
-        self.gates
+    /// A new handle named `name`; readiness waits until it is released.
+    pub fn handle(&self, name: &'static str) -> ReadyHandle {
+        let released = Arc::new(AtomicBool::new(false));
+        self.handles
             .lock()
-            .expect("gates lock")
-            .push((name, flag.clone()));
-        flag
+            .unwrap_or_else(|p| p.into_inner())
+            .push((name, released.clone()));
+        ReadyHandle { released }
     }
 
-    /// Names of the gates still closed.
-    pub fn pending(&self) -> Vec<&'static str> {
-        let gates = self.gates.lock().expect("gates lock");
-        gates
+    /// Not ready from now on, with `why` shown by `/readyz` (the process is about to exit).
+    pub fn fail(&self, why: String) {
+        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+    }
+
+    /// Why the process is not ready, if it is not.
+    pub fn not_ready(&self) -> Option<String> {
+        if let Some(why) = self
+            .failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
+            return Some(format!("failed: {why}"));
+        }
+        let handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+        let pending: Vec<&str> = handles
             .iter()
-            .filter(|(_, flag)| !flag.load(Ordering::SeqCst))
+            .filter(|(_, released)| !released.load(Ordering::SeqCst))
             .map(|(name, _)| *name)
-            .collect()
+            .collect();
+        (!pending.is_empty()).then(|| format!("waiting for: {}", pending.join(", ")))
     }
 }
 
@@ -71,14 +100,9 @@ pub fn admin_router(registry: Registry, readiness: Arc<Readiness>) -> Router {
 }
 
 async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
-    let pending = state.readiness.pending();
-    if pending.is_empty() {
-        (StatusCode::OK, "ok\n".to_string())
-    } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("waiting for: {}\n", pending.join(", ")),
-        )
+    match state.readiness.not_ready() {
+        None => (StatusCode::OK, "ok\n".to_string()),
+        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
     }
 }
 
@@ -97,6 +121,49 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
         buffer,
     )
         .into_response()
+}
+
+/// `kube_write_duration_seconds{verb,resource,result}`: every write we make to the apiserver
+/// (patches, status, Events, the Lease), so latency and errors show by kind of write.
+pub fn kube_writes() -> &'static prometheus::HistogramVec {
+    static WRITES: std::sync::LazyLock<prometheus::HistogramVec> = std::sync::LazyLock::new(|| {
+        prometheus::HistogramVec::new(
+            prometheus::HistogramOpts::new(
+                "kube_write_duration_seconds",
+                "Kubernetes writes by verb, resource and result",
+            )
+            .buckets(vec![
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+            ]),
+            &["verb", "resource", "result"],
+        )
+        .expect("valid metric")
+    });
+    &WRITES
+}
+
+/// Runs one Kubernetes write and records it in `kube_writes`.
+pub async fn kube_write<T>(
+    verb: &'static str,
+    resource: &'static str,
+    write: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T, kube::Error> {
+    let started = std::time::Instant::now();
+    let result = write.await;
+    let outcome = match &result {
+        Ok(_) => "ok",
+        Err(kube::Error::Api(status)) => match status.code {
+            404 => "not_found",
+            409 => "conflict",
+            500.. => "server_error",
+            _ => "rejected",
+        },
+        Err(_) => "unreachable",
+    };
+    kube_writes()
+        .with_label_values(&[verb, resource, outcome])
+        .observe(started.elapsed().as_secs_f64());
+    result
 }
 
 /// Heap bytes in use, as counted by the binary's allocator wrapper (`main.rs`). RSS alone

@@ -36,7 +36,9 @@ const WAIT: Duration = Duration::from_secs(45);
 fn registrar_args() -> Vec<String> {
     vec![
         "--resync-interval=10s".into(),
-        "--lease-duration=4s".into(),
+        "--lease-duration=8s".into(),
+        "--renew-deadline=3s".into(),
+        "--lease-retry-period=1s".into(),
         "--spire-rps=0".into(),
         "--scope-loss-grace=2s".into(),
         "--transition-grace=2s".into(),
@@ -799,6 +801,7 @@ async fn graceful_shutdown_releases_the_lease_for_the_other_replica() {
         vec![
             "--resync-interval=10s".to_string(),
             "--lease-duration=10s".to_string(),
+            "--renew-deadline=5s".to_string(),
         ]
     };
     let mut first = tokio::task::block_in_place(|| {

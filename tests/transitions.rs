@@ -37,7 +37,10 @@ fn args(extra: &[&str]) -> Vec<String> {
     let mut args: Vec<String> = [
         // Long: a resync forgets what SPIRE refused and asks once more, which two tests count.
         "--resync-interval=10m",
-        "--lease-duration=4s",
+        // Fast failover; the renew deadline leaves the longest write (4 s) before expiry.
+        "--lease-duration=8s",
+        "--renew-deadline=3s",
+        "--lease-retry-period=1s",
         "--spire-rps=0",
         "--transition-grace=3s",
         "--scope-loss-grace=8s",

@@ -5,10 +5,10 @@ pub mod files;
 pub mod generate;
 pub mod secret;
 
+use crate::telemetry::ReadyHandle;
 use crate::webhook::tls::{ReloadableCert, TlsError};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 pub use generate::{CertError, Pair};
@@ -38,7 +38,7 @@ pub enum StartError {
 pub async fn start(
     source: CertSource,
     client: kube::Client,
-    ready: Arc<AtomicBool>,
+    ready: ReadyHandle,
 ) -> Result<(Arc<ReloadableCert>, tokio::task::JoinHandle<()>), StartError> {
     match source {
         CertSource::Files { cert, key } => {
@@ -49,7 +49,7 @@ pub async fn start(
                 })
             };
             let serving = Arc::new(ReloadableCert::new(&read(&cert)?, &read(&key)?)?);
-            ready.store(true, Ordering::SeqCst);
+            ready.release();
             let task = tokio::spawn(files::watch(
                 cert,
                 key,
@@ -81,8 +81,9 @@ async fn keep_secret_fresh(
     settings: SecretSettings,
     serving: Arc<ReloadableCert>,
     mut material: secret::Material,
-    ready: Arc<AtomicBool>,
+    ready: ReadyHandle,
 ) {
+    let mut ready = Some(ready);
     loop {
         match secret::inject_ca_bundle(
             &client,
@@ -91,7 +92,11 @@ async fn keep_secret_fresh(
         )
         .await
         {
-            Ok(_) => ready.store(true, Ordering::SeqCst),
+            Ok(_) => {
+                if let Some(ready) = ready.take() {
+                    ready.release();
+                }
+            }
             Err(error) => tracing::warn!(%error, "caBundle injection failed; will retry"),
         }
         tokio::time::sleep(secret::next_check(&material)).await;

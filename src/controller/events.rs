@@ -115,7 +115,10 @@ async fn write(client: &Client, replica_id: &str, pending: Pending) {
     let event = event_object(replica_id, pending);
     let namespace = event.metadata.namespace.clone().unwrap_or_default();
     let api: Api<Event> = Api::namespaced(client.clone(), &namespace);
-    if let Err(error) = api.create(&PostParams::default(), &event).await {
+    let params = PostParams::default();
+    if let Err(error) =
+        crate::telemetry::kube_write("create", "events", api.create(&params, &event)).await
+    {
         let regarding = event.regarding.as_ref();
         tracing::warn!(
             %error,

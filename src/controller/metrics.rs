@@ -32,6 +32,16 @@ pub struct ControllerMetrics {
     /// `events_dropped_total`: Events not written because the queue was full (advisory, as
     /// in Kubernetes' own event broadcaster).
     pub events_dropped: IntCounter,
+    /// `leader`: 1 while this replica holds a valid leadership term.
+    pub leader: IntGauge,
+    /// `spire_reachable`: 0 once a SPIRE call failed as a whole, 1 again after one succeeds.
+    pub spire_reachable: IntGauge,
+    /// `last_successful_sync_timestamp_seconds`: Unix time of the last sync that completed
+    /// with nothing left to retry.
+    pub last_success: prometheus::Gauge,
+    /// `drift_checks_total{result}`: at-rest comparisons of SPIRE's count with ours (match,
+    /// mismatch, error); a mismatch re-lists.
+    pub drift_checks: IntCounterVec,
 }
 
 impl ControllerMetrics {
@@ -102,6 +112,28 @@ impl ControllerMetrics {
             "Events not written because the event queue was full",
         )?;
         registry.register(Box::new(events_dropped.clone()))?;
+        let leader = IntGauge::new("leader", "1 while this replica leads (holds a valid term)")?;
+        let spire_reachable = IntGauge::new(
+            "spire_reachable",
+            "0 after a SPIRE call failed as a whole, until one succeeds",
+        )?;
+        spire_reachable.set(1);
+        let last_success = prometheus::Gauge::new(
+            "last_successful_sync_timestamp_seconds",
+            "Unix time of the last sync that left nothing to retry",
+        )?;
+        let drift_checks = IntCounterVec::new(
+            Opts::new(
+                "drift_checks_total",
+                "At-rest comparisons of SPIRE's entry count with ours, by result",
+            ),
+            &["result"],
+        )?;
+        for collector in [leader.clone(), spire_reachable.clone()] {
+            registry.register(Box::new(collector))?;
+        }
+        registry.register(Box::new(last_success.clone()))?;
+        registry.register(Box::new(drift_checks.clone()))?;
         registry.register(Box::new(pending_deletions.clone()))?;
         registry.register(Box::new(deletion_brake.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
@@ -123,6 +155,10 @@ impl ControllerMetrics {
             foreign,
             events_dropped,
             derive,
+            leader,
+            spire_reachable,
+            last_success,
+            drift_checks,
         })
     }
 }

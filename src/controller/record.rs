@@ -112,10 +112,11 @@ pub async fn patch_metadata(
     let api: Api<Deployment> = Api::namespaced(client.clone(), &deployment.namespace);
     let patch: json_patch::Patch =
         serde_json::from_value(Value::Array(ops)).expect("our operations must form a JSON Patch");
-    api.patch(
-        &deployment.name,
-        &PatchParams::default(),
-        &Patch::<()>::Json(patch),
+    let patch = Patch::<()>::Json(patch);
+    crate::telemetry::kube_write(
+        "patch",
+        "deployments",
+        api.patch(&deployment.name, &PatchParams::default(), &patch),
     )
     .await?;
     Ok(true)

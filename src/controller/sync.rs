@@ -7,9 +7,10 @@ use super::events::EventSink;
 use super::metrics::ControllerMetrics;
 use super::record::event;
 use super::status::{self, Outcome, confirm_command};
-use super::view::{ApplyReport, SpireView};
+use super::view::{ApplyReport, Drift, SpireView};
 use super::writer::WorkloadWriter;
 use crate::index::{DeploymentRecord, Index};
+use crate::leader::{Leadership, Term};
 use crate::names::{CONFIRM_DELETIONS_ANNOTATION, CRD_NAME};
 use crate::policy::{OptIn, SpiffeRegistration};
 use crate::spire::{Entry, EntryApi, Ownership};
@@ -18,11 +19,10 @@ use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, error, info, warn};
+use tracing::{Instrument, debug, error, info, warn};
 
 #[derive(Clone, Debug)]
 pub struct ControllerSettings {
@@ -33,6 +33,8 @@ pub struct ControllerSettings {
     pub debounce: Duration,
     pub replica_id: String,
     pub decide: DecideSettings,
+    /// A leader whose SPIRE calls all fail for this long steps down.
+    pub spire_unusable_after: Duration,
 }
 
 pub struct Controller<A: EntryApi> {
@@ -49,6 +51,27 @@ pub struct Controller<A: EntryApi> {
     /// Last note published per (object, reason), so an unchanged situation is announced once.
     policy_events: HashMap<(String, &'static str), String>,
     backoff: Duration,
+    /// Since when SPIRE calls fail as a whole (unset once one succeeds).
+    spire_failing_since: Option<Instant>,
+}
+
+/// Why the leader woke.
+enum Wake {
+    Sync,
+    DriftCheck,
+    Probe,
+}
+
+/// At rest, SPIRE's count of our entries is compared with ours this often.
+const DRIFT_CHECK_INTERVAL: Duration = Duration::from_secs(10);
+/// While SPIRE does not answer, it is probed this often (a count), so work resumes within
+/// about this long of its return whatever the backoff.
+const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// What a sync asks of the loop.
@@ -88,67 +111,204 @@ impl<A: EntryApi> Controller<A> {
             confirmed: None,
             policy_events: HashMap::new(),
             backoff: MIN_BACKOFF,
+            spire_failing_since: None,
         }
     }
 
-    /// Runs until `shutdown`. Syncs only while `leader` is true and `synced` has flipped.
+    /// Runs until `shutdown`. Syncs only within a leadership term, and every sync runs under
+    /// the term's guard: when the term ends (renew deadline, step-down, shutdown), whatever is
+    /// in flight is cancelled and nothing more is written.
     pub async fn run(
         mut self,
         trigger: Arc<Notify>,
-        mut leader: watch::Receiver<bool>,
-        synced: Arc<AtomicBool>,
+        leadership: Leadership,
         shutdown: CancellationToken,
     ) {
-        let mut wait = Duration::ZERO;
-        let mut leading = false;
-        let mut election_alive = true;
+        let Leadership { mut term, useful } = leadership;
         loop {
+            let current = term.borrow_and_update().clone();
+            if let Some(current) = current {
+                self.metrics.leader.set(1);
+                info!("became leader; syncing");
+                let led = current.guard(self.lead(&current, &trigger, &useful, &shutdown));
+                match led.await {
+                    Err(_) => warn!("leadership ended mid-work; in-flight writes were cancelled"),
+                    // Stepped down: nothing more until the election has ended the term.
+                    Ok(()) if !shutdown.is_cancelled() => current.ended().await,
+                    Ok(()) => {}
+                }
+                self.metrics.leader.set(0);
+                // A later term starts from a fresh list and fresh graces.
+                self.view.invalidate();
+                self.memory = Memory::default();
+                if shutdown.is_cancelled() {
+                    return;
+                }
+                continue;
+            }
+            let stepped_down = !*useful.borrow();
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = trigger.notified() => tokio::time::sleep(self.settings.debounce).await,
-                changed = leader.changed(), if election_alive => {
-                    if changed.is_err() {
-                        // The election task is gone: never write again (another replica may
-                        // lead), and do not spin on a closed channel.
-                        error!("leader election ended; this replica stops writing");
-                        election_alive = false;
+                changed = term.changed() => if changed.is_err() {
+                    // The election is gone: never write again (another replica may lead).
+                    error!("leader election ended; this replica stops writing");
+                    shutdown.cancelled().await;
+                    return;
+                },
+                _ = tokio::time::sleep(PROBE_INTERVAL), if stepped_down => {
+                    if self.probe_spire().await {
+                        info!("SPIRE is usable again; competing for the Lease");
+                        useful.send_replace(true);
                     }
                 }
-                _ = tokio::time::sleep(wait) => {}
             }
-            let now_leading = election_alive && *leader.borrow();
-            if now_leading != leading {
-                leading = now_leading;
-                if leading {
-                    info!("became leader; syncing");
-                } else {
-                    info!("not the leader; pausing writes");
-                    // A later leadership starts from a fresh list and fresh graces.
-                    self.view.invalidate();
-                    self.memory = Memory::default();
+        }
+    }
+
+    /// One leadership term: sync on triggers, on retries and on the resync interval; at rest,
+    /// check for drift every `DRIFT_CHECK_INTERVAL`. Returns on shutdown or after stepping
+    /// down because SPIRE is unusable.
+    async fn lead(
+        &mut self,
+        term: &Term,
+        trigger: &Notify,
+        useful: &watch::Sender<bool>,
+        shutdown: &CancellationToken,
+    ) {
+        let index = self.index.clone();
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = index.synced() => {}
+        }
+        let mut next_sync = Instant::now();
+        let mut next_drift_check = Instant::now() + DRIFT_CHECK_INTERVAL;
+        loop {
+            let wake = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = trigger.notified() => {
+                    tokio::time::sleep(self.settings.debounce).await;
+                    Wake::Sync
                 }
-            }
-            if !leading {
-                wait = Duration::from_secs(3600);
-                continue;
-            }
-            if !synced.load(Ordering::SeqCst) {
-                wait = Duration::from_millis(200);
-                continue;
-            }
-            wait = match self.sync_once().await {
-                Next::Idle { recheck } => {
-                    self.backoff = MIN_BACKOFF;
-                    let until_recheck =
-                        recheck.map(|at| at.saturating_duration_since(Instant::now()));
-                    until_recheck
-                        .map_or(self.settings.resync_interval, |d| {
-                            d.min(self.settings.resync_interval)
-                        })
-                        .max(Duration::from_millis(50))
-                }
-                Next::RetryAfter(delay) => delay,
+                _ = tokio::time::sleep_until(next_sync.into()) => Wake::Sync,
+                _ = tokio::time::sleep_until(next_drift_check.into()), if self.spire_failing_since.is_none() => Wake::DriftCheck,
+                _ = tokio::time::sleep(PROBE_INTERVAL), if self.spire_failing_since.is_some() => Wake::Probe,
             };
+            match wake {
+                Wake::Sync => {}
+                Wake::DriftCheck => {
+                    next_drift_check = Instant::now() + DRIFT_CHECK_INTERVAL;
+                    if !self.drifted().await {
+                        continue;
+                    }
+                }
+                Wake::Probe => {
+                    if !self.probe_spire().await {
+                        if self.should_step_down(useful) {
+                            return;
+                        }
+                        continue;
+                    }
+                    info!("SPIRE answers again; syncing now");
+                }
+            }
+            // The drift check keeps its own schedule: in a busy cluster syncs never stop, and
+            // a sync that did not re-list has not looked at SPIRE.
+            let outcome = self
+                .sync_once(term)
+                .instrument(tracing::info_span!("sync"))
+                .await;
+            next_sync = Instant::now()
+                + match outcome {
+                    Next::Idle { recheck } => {
+                        self.backoff = MIN_BACKOFF;
+                        self.metrics.last_success.set(unix_now());
+                        let until_recheck =
+                            recheck.map(|at| at.saturating_duration_since(Instant::now()));
+                        until_recheck
+                            .map_or(self.settings.resync_interval, |d| {
+                                d.min(self.settings.resync_interval)
+                            })
+                            .max(Duration::from_millis(50))
+                    }
+                    Next::RetryAfter(delay) => delay,
+                };
+            if self.should_step_down(useful) {
+                return;
+            }
+        }
+    }
+
+    /// True (and the Lease released) when SPIRE has been unusable for the configured time.
+    fn should_step_down(&self, useful: &watch::Sender<bool>) -> bool {
+        let Some(since) = self.spire_failing_since else {
+            return false;
+        };
+        if since.elapsed() < self.settings.spire_unusable_after {
+            return false;
+        }
+        warn!(
+            failing_for_s = since.elapsed().as_secs(),
+            "SPIRE unusable; stepping down so a replica that can reach it leads"
+        );
+        useful.send_replace(false);
+        true
+    }
+
+    /// Notes whether a SPIRE call succeeded; failures start the step-down clock.
+    fn spire_answered(&mut self, ok: bool) {
+        if ok {
+            if self.spire_failing_since.take().is_some() {
+                info!("SPIRE reachable again");
+            }
+        } else if self.spire_failing_since.is_none() {
+            self.spire_failing_since = Some(Instant::now());
+        }
+        self.metrics.spire_reachable.set(i64::from(ok));
+    }
+
+    /// One cheap call (a count): does SPIRE answer?
+    async fn probe_spire(&mut self) -> bool {
+        let ok = self.api.count_hinted().await.is_ok();
+        self.spire_answered(ok);
+        ok
+    }
+
+    /// At rest: does SPIRE hold what we think? One count call; a mismatch forces a re-list.
+    async fn drifted(&mut self) -> bool {
+        if self.view.stale(self.settings.resync_interval) {
+            return true;
+        }
+        match self.view.check_drift(self.api.as_ref()).await {
+            Ok(Drift::None) => {
+                self.spire_answered(true);
+                self.metrics
+                    .drift_checks
+                    .with_label_values(&["match"])
+                    .inc();
+                false
+            }
+            Ok(Drift::Mismatch { expected, found }) => {
+                self.spire_answered(true);
+                self.metrics
+                    .drift_checks
+                    .with_label_values(&["mismatch"])
+                    .inc();
+                warn!(
+                    expected,
+                    found, "SPIRE's count of our entries changed behind our back; re-listing"
+                );
+                self.view.invalidate();
+                true
+            }
+            Err(error) => {
+                self.spire_answered(false);
+                self.metrics
+                    .drift_checks
+                    .with_label_values(&["error"])
+                    .inc();
+                warn!(%error, "drift check: SPIRE did not answer");
+                false
+            }
         }
     }
 
@@ -182,13 +342,15 @@ impl<A: EntryApi> Controller<A> {
         decide::spire_plan(&input, &mut self.memory)
     }
 
-    async fn sync_once(&mut self) -> Next {
+    async fn sync_once(&mut self, term: &Term) -> Next {
         let started = Instant::now();
         if self.view.stale(self.settings.resync_interval) {
             if let Err(error) = self.view.refresh(self.api.as_ref()).await {
                 warn!(%error, "listing our SPIRE entries failed; nothing is written until it succeeds");
+                self.spire_answered(!error.is_transient());
                 return Next::RetryAfter(self.next_backoff());
             }
+            self.spire_answered(true);
             self.memory.forget_spire_answers();
             debug!(entries = self.view.entries.len(), "refreshed SPIRE view");
         }
@@ -208,8 +370,16 @@ impl<A: EntryApi> Controller<A> {
         let report = if plan.writes() == 0 {
             ApplyReport::default()
         } else {
-            self.apply(&plan, &desired, &mut writer).await
+            self.apply(term, &plan, &desired, &mut writer).await
         };
+        if let Some(reached) = report.reached_spire() {
+            self.spire_answered(reached);
+        }
+        // Supervision tests: a controller that dies once it has created an entry.
+        assert!(
+            !(report.created > 0 && failpoint("panic-after-create")),
+            "failpoint panic-after-create"
+        );
         let learned_foreign = !report.foreign.is_empty();
         for (ours, theirs) in &report.foreign {
             self.metrics.foreign.inc();
@@ -293,6 +463,7 @@ impl<A: EntryApi> Controller<A> {
     /// updates and deletes (after every create: make-before-break within one sync).
     async fn apply(
         &mut self,
+        term: &Term,
         plan: &SpirePlan,
         desired: &Desired,
         writer: &mut WorkloadWriter,
@@ -318,6 +489,11 @@ impl<A: EntryApi> Controller<A> {
             report.absorb(done);
         }
         for chunk in plan.create.chunks(CREATE_CHUNK) {
+            // Leadership is re-checked between batches (the term's guard also cancels
+            // anything in flight when it ends).
+            if !term.is_valid() {
+                return report;
+            }
             let part = SpirePlan {
                 create: chunk.to_vec(),
                 ..SpirePlan::default()
@@ -346,7 +522,7 @@ impl<A: EntryApi> Controller<A> {
             delete: later,
             ..SpirePlan::default()
         };
-        if rest.writes() > 0 {
+        if rest.writes() > 0 && term.is_valid() {
             let done = self
                 .view
                 .apply(self.api.as_ref(), &self.settings.ownership, &rest)
@@ -430,9 +606,14 @@ impl<A: EntryApi> Controller<A> {
                 .is_some_and(|current| status::same_status(current, &wanted));
             if !unchanged {
                 let patch = serde_json::json!({ "status": wanted });
-                if let Err(error) = api
-                    .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
+                let params = PatchParams::default();
+                let patch = Patch::Merge(&patch);
+                if let Err(error) = crate::telemetry::kube_write(
+                    "patch",
+                    "spiffe_registrations/status",
+                    api.patch_status(&name, &params, &patch),
+                )
+                .await
                 {
                     warn!(policy = %name, %error, "status update failed; will retry on the next sync");
                 }

@@ -11,6 +11,18 @@ use std::time::{Duration, Instant};
 pub struct SpireView {
     pub entries: BTreeMap<String, Entry>,
     listed_at: Option<Instant>,
+    /// Entries with our hint that are not ours (a foreign ID prefix), as of the last list:
+    /// SPIRE's count by hint includes them.
+    hinted_not_ours: u64,
+}
+
+/// What an at-rest drift check found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Drift {
+    /// SPIRE holds as many entries under our hints as we expect.
+    None,
+    /// It does not: entries were deleted (or created) behind our back; re-list.
+    Mismatch { expected: u64, found: u64 },
 }
 
 /// Outcome of one apply, by entry ID.
@@ -26,6 +38,12 @@ pub struct ApplyReport {
     pub deleted: usize,
 }
 
+/// The request carrying this item got no answer from SPIRE (unreachable, timed out, or not
+/// sent after an earlier batch failed so).
+fn unanswered(failure: &ItemError) -> bool {
+    matches!(failure, ItemError::Other { code, .. } if crate::spire::retry::is_transient(*code))
+}
+
 impl ApplyReport {
     /// Folds the report of a later part of the same sync into this one.
     pub fn absorb(&mut self, other: ApplyReport) {
@@ -35,6 +53,24 @@ impl ApplyReport {
         self.created += other.created;
         self.updated += other.updated;
         self.deleted += other.deleted;
+    }
+
+    /// Whether SPIRE answered this apply: `Some(false)` when every write failed as a whole
+    /// (unreachable, timed out), `None` when nothing was sent.
+    pub fn reached_spire(&self) -> Option<bool> {
+        let answered = self.created
+            + self.updated
+            + self.deleted
+            + self.rejected.len()
+            + self.foreign.len()
+            + self.failures.values().filter(|f| !unanswered(f)).count();
+        if answered > 0 {
+            Some(true)
+        } else if self.failures.is_empty() {
+            None
+        } else {
+            Some(false)
+        }
     }
 
     pub fn has_retryable(&self) -> bool {
@@ -54,10 +90,28 @@ impl SpireView {
         self.listed_at = None;
     }
 
+    /// Compares SPIRE's count of entries under our hints with what this view expects: one
+    /// small call instead of a list. Only meaningful between writes (the leader is the only
+    /// writer of our hints).
+    pub async fn check_drift(&self, api: &impl EntryApi) -> Result<Drift, SpireError> {
+        let found = api.count_hinted().await?;
+        let expected = self.entries.len() as u64 + self.hinted_not_ours;
+        Ok(if found == expected {
+            Drift::None
+        } else {
+            Drift::Mismatch { expected, found }
+        })
+    }
+
     pub async fn refresh(&mut self, api: &impl EntryApi) -> Result<(), SpireError> {
         let listed = api.list_ours().await?;
         self.entries = listed.into_iter().map(|e| (e.id.clone(), e)).collect();
         self.listed_at = Some(Instant::now());
+        // Best effort: without it the first drift check re-lists once more.
+        self.hinted_not_ours = api
+            .count_hinted()
+            .await
+            .map_or(0, |count| count.saturating_sub(self.entries.len() as u64));
         Ok(())
     }
 

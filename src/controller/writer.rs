@@ -32,8 +32,17 @@ pub struct WorkloadWriter {
     /// same cache would only repeat it.
     written: HashSet<DeploymentKey>,
     queue: mpsc::UnboundedSender<Job>,
-    /// Runs the queue; true when a patch failed.
-    driver: JoinHandle<bool>,
+    /// Runs the queue; true when a patch failed. Aborted if the writer is dropped before
+    /// `finish` (a sync cancelled because leadership ended: nothing more may be written).
+    driver: Option<JoinHandle<bool>>,
+}
+
+impl Drop for WorkloadWriter {
+    fn drop(&mut self) {
+        if let Some(driver) = self.driver.take() {
+            driver.abort();
+        }
+    }
 }
 
 /// One queued write.
@@ -60,7 +69,7 @@ impl WorkloadWriter {
             deployments: deployments.iter().map(|d| (d.key(), d.clone())).collect(),
             written: HashSet::new(),
             queue,
-            driver,
+            driver: Some(driver),
         }
     }
 
@@ -110,9 +119,15 @@ impl WorkloadWriter {
     }
 
     /// Waits for every write; true when a patch failed (the sync is then retried).
-    pub async fn finish(self) -> bool {
-        drop(self.queue);
-        self.driver.await.unwrap_or(true)
+    pub async fn finish(mut self) -> bool {
+        let (closed, _) = mpsc::unbounded_channel();
+        // Closing the queue lets the driver finish once what is queued is written. The
+        // handle stays in `self`, so a cancelled `finish` still aborts the driver on drop.
+        drop(std::mem::replace(&mut self.queue, closed));
+        match self.driver.as_mut() {
+            Some(driver) => driver.await.unwrap_or(true),
+            None => true,
+        }
     }
 }
 
@@ -128,8 +143,15 @@ async fn drive(client: Client, events: EventSink, jobs: mpsc::UnboundedReceiver<
                     write,
                     registrations,
                 } = job;
+                let span = tracing::debug_span!(
+                    "write",
+                    deployment = %deployment.name,
+                    namespace = %deployment.namespace
+                );
                 let failed =
-                    write_workload(client, events, deployment, write.change, write.announce).await;
+                    write_workload(client, events, deployment, write.change, write.announce)
+                        .instrument(span)
+                        .await;
                 if write.registered && !failed {
                     registrations.inc();
                 }

@@ -12,6 +12,7 @@ pub use store::DeploymentStore;
 
 use crate::policy::{Labels, OptIn, SpiffeRegistration};
 use crate::spire::Ownership;
+use crate::telemetry::ReadyHandle;
 use deployment::WatchedDeployment;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
@@ -20,7 +21,6 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
@@ -53,9 +53,19 @@ pub struct Index {
     pub namespaces: Store<Namespace>,
     pub policies: Store<SpiffeRegistration>,
     pub deployments: DeploymentStore,
+    /// True once every cache has listed. kube-runtime's `Store::wait_until_ready` wakes only
+    /// one waiter (a oneshot inside), so one task waits on the stores and tells everyone else.
+    synced: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Index {
+    /// Resolves once all three caches have completed their first list.
+    pub async fn synced(&self) {
+        let mut synced = self.synced.clone();
+        // The sender lives in a task that only ends once it has sent true.
+        let _ = synced.wait_for(|synced| *synced).await;
+    }
+
     /// An opted-in namespace's labels and whether it is being deleted.
     pub fn namespace_info(&self, namespace: &str) -> Option<NamespaceInfo> {
         let ns = self.namespaces.get(&reflector::ObjectRef::new(namespace))?;
@@ -115,7 +125,7 @@ pub fn start(
     opt_in: OptIn,
     ownership: Ownership,
     trigger: Arc<Notify>,
-    synced: Arc<AtomicBool>,
+    synced: ReadyHandle,
 ) -> (Index, Vec<JoinHandle<()>>) {
     let (namespaces, ns_writer) = reflector::store();
     let (policies, policy_writer) = reflector::store();
@@ -166,21 +176,26 @@ pub fn start(
         }
     }));
 
+    let (synced_tx, synced_rx) = tokio::sync::watch::channel(false);
     let index = Index {
         opt_in,
         ownership,
         namespaces,
         policies,
         deployments,
+        synced: synced_rx,
     };
     let waiting = index.clone();
-    tasks.push(tokio::spawn(async move {
+    tokio::spawn(async move {
         let _ = waiting.namespaces.wait_until_ready().await;
         let _ = waiting.policies.wait_until_ready().await;
-        let _ = waiting.deployments.wait_until_ready().await;
-        synced.store(true, Ordering::SeqCst);
+        waiting.deployments.wait_until_ready().await;
+        synced_tx.send_replace(true);
+        synced.release();
         tracing::info!("caches synced");
-    }));
+        // Keep the sender: a dropped one would end every wait with "never synced".
+        std::future::pending::<()>().await;
+    });
     (index, tasks)
 }
 

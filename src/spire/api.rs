@@ -33,12 +33,19 @@ pub enum SpireError {
     /// Could not set up the connection (bad endpoint, no SVID from the Workload API).
     #[error("SPIRE connection: {0}")]
     Connect(String),
+    /// Not sent: an earlier batch of the same call failed as a whole, so SPIRE is taken to
+    /// be unreachable and the rest waits for the next sync instead of each batch retrying.
+    #[error("SPIRE {op} not sent: an earlier batch of this call failed as a whole")]
+    NotSent { op: &'static str },
 }
 
 impl SpireError {
     /// Whether waiting and trying again may help (as opposed to fixing configuration).
     pub fn is_transient(&self) -> bool {
-        matches!(self, SpireError::Exhausted { .. } | SpireError::Connect(_))
+        matches!(
+            self,
+            SpireError::Exhausted { .. } | SpireError::Connect(_) | SpireError::NotSent { .. }
+        )
     }
 
     /// A short, stable label for metrics and Events.
@@ -48,6 +55,7 @@ impl SpireError {
             SpireError::Exhausted { .. } => "SpireUnavailable",
             SpireError::ResultCount { .. } => "SpireProtocol",
             SpireError::Connect(_) => "SpireConnect",
+            SpireError::NotSent { .. } => "SpireUnavailable",
         }
     }
 }
@@ -58,6 +66,9 @@ impl SpireError {
 pub trait EntryApi: Send + Sync + 'static {
     /// Every entry this registrar owns (hint filter, paged, ownership re-checked).
     fn list_ours(&self) -> impl Future<Output = Result<Vec<Entry>, SpireError>> + Send;
+    /// How many entries carry one of our hints: one small call (no entries transferred),
+    /// for drift detection at rest and for probing whether SPIRE is usable.
+    fn count_hinted(&self) -> impl Future<Output = Result<u64, SpireError>> + Send;
     /// Creates entries. AlreadyExists with an entry is a success carrying the stored entry,
     /// which the caller must check with `Ownership::is_ours` before treating it as ours.
     fn create(&self, entries: Vec<Entry>) -> impl Future<Output = Vec<EntryResult>> + Send;

@@ -12,8 +12,9 @@ use super::results::{create_result, delete_result, result_label, update_result};
 use super::retry::{RetryPolicy, is_transient};
 use super::types::{DeleteResult, Entry, EntryResult, ItemError};
 use std::future::Future;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tonic::transport::Channel;
+use tracing::Instrument;
 use tracing::{debug, warn};
 
 /// Sizes and limits. Defaults follow the throughput benchmark (README, "Benchmarks").
@@ -49,6 +50,56 @@ pub struct GrpcEntryClient {
     settings: ClientSettings,
     limiter: TokenBucket,
     metrics: SpireMetrics,
+    batch: BatchSize,
+}
+
+/// The write batch size in use. A batch must finish well within the call deadline, which
+/// leadership fencing bounds (4 s by default), but SPIRE's own speed varies by a factor of
+/// twenty: on SQLite it created ~270 entries/s into an empty table and ~12/s at 20,000
+/// entries (measured by the scale benchmark). So the size halves when a batch takes more
+/// than a quarter of the deadline, and grows back toward the configured size when batches
+/// are quick.
+struct BatchSize {
+    current: std::sync::atomic::AtomicUsize,
+}
+
+impl BatchSize {
+    const MIN: usize = 5;
+
+    fn new() -> Self {
+        Self {
+            current: std::sync::atomic::AtomicUsize::new(usize::MAX),
+        }
+    }
+
+    fn get(&self, configured: usize) -> usize {
+        self.current
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .min(configured)
+            .max(1)
+    }
+
+    /// Adjusts after a batch of `sent` items took `took` under `deadline`.
+    fn observe(&self, sent: usize, took: Duration, deadline: Duration, configured: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = self.get(configured);
+        let next = if took * 4 > deadline {
+            (sent.min(now) / 2).max(Self::MIN)
+        } else if took * 16 < deadline && sent >= now {
+            now.saturating_mul(2).min(configured)
+        } else {
+            return;
+        };
+        if next != now {
+            debug!(
+                from = now,
+                to = next,
+                took_ms = took.as_millis() as u64,
+                "SPIRE batch size adjusted"
+            );
+            self.current.store(next, Relaxed);
+        }
+    }
 }
 
 impl GrpcEntryClient {
@@ -65,6 +116,7 @@ impl GrpcEntryClient {
             settings,
             limiter,
             metrics,
+            batch: BatchSize::new(),
         }
     }
 
@@ -85,7 +137,23 @@ impl GrpcEntryClient {
         F: Fn(EntryClient<Channel>, tonic::Request<Req>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
     {
-        let policy = &self.settings.retry;
+        self.call_with(&self.settings.retry, op, request, send)
+            .await
+    }
+
+    /// `call` under another retry policy (a probe wants one short attempt).
+    async fn call_with<Req, Resp, F, Fut>(
+        &self,
+        policy: &RetryPolicy,
+        op: &'static str,
+        request: Req,
+        send: F,
+    ) -> Result<Resp, SpireError>
+    where
+        Req: Clone,
+        F: Fn(EntryClient<Channel>, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+    {
         let started = Instant::now();
         let mut attempt = 0u32;
         loop {
@@ -94,6 +162,7 @@ impl GrpcEntryClient {
             req.set_timeout(policy.call_timeout);
             let attempt_started = Instant::now();
             let outcome = tokio::time::timeout(policy.call_timeout, send(self.client.clone(), req))
+                .instrument(tracing::debug_span!("spire_call", op, attempt))
                 .await
                 .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("client-side deadline")));
             let code = match &outcome {
@@ -139,7 +208,8 @@ impl GrpcEntryClient {
         }
     }
 
-    async fn create_chunk(&self, chunk: &[Entry]) -> Vec<EntryResult> {
+    /// One batch; the flag is true when the request failed as a whole.
+    async fn create_chunk(&self, chunk: &[Entry]) -> (Vec<EntryResult>, bool) {
         let request = pb::BatchCreateEntryRequest {
             entries: chunk.iter().map(entry_to_proto).collect(),
             output_mask: Some(output_mask()),
@@ -150,12 +220,14 @@ impl GrpcEntryClient {
             })
             .await
             .map(|r| r.results);
-        per_item("batch_create", ids(chunk), response, |id, r| {
+        let failed_whole = response.is_err();
+        let results = per_item("batch_create", ids(chunk), response, |id, r| {
             create_result(id, r.status.as_ref(), r.entry)
-        })
+        });
+        (results, failed_whole)
     }
 
-    async fn update_chunk(&self, chunk: &[Entry]) -> Vec<EntryResult> {
+    async fn update_chunk(&self, chunk: &[Entry]) -> (Vec<EntryResult>, bool) {
         let request = pb::BatchUpdateEntryRequest {
             entries: chunk.iter().map(entry_to_proto).collect(),
             input_mask: Some(update_mask()),
@@ -167,12 +239,14 @@ impl GrpcEntryClient {
             })
             .await
             .map(|r| r.results);
-        per_item("batch_update", ids(chunk), response, |id, r| {
+        let failed_whole = response.is_err();
+        let results = per_item("batch_update", ids(chunk), response, |id, r| {
             update_result(id, r.status.as_ref(), r.entry)
-        })
+        });
+        (results, failed_whole)
     }
 
-    async fn delete_chunk(&self, chunk: &[String]) -> Vec<DeleteResult> {
+    async fn delete_chunk(&self, chunk: &[String]) -> (Vec<DeleteResult>, bool) {
         let request = pb::BatchDeleteEntryRequest {
             ids: chunk.to_vec(),
         };
@@ -182,9 +256,11 @@ impl GrpcEntryClient {
             })
             .await
             .map(|r| r.results);
-        per_item("batch_delete", chunk.to_vec(), response, |id, r| {
+        let failed_whole = response.is_err();
+        let results = per_item("batch_delete", chunk.to_vec(), response, |id, r| {
             delete_result(id, r.status.as_ref())
-        })
+        });
+        (results, failed_whole)
     }
 }
 
@@ -216,6 +292,59 @@ fn per_item<R, T>(
     }
 }
 
+impl GrpcEntryClient {
+    /// Sends `entries` in batches sized by `BatchSize`; once a batch fails as a whole, the
+    /// rest is not sent (SPIRE is taken to be down) and fails as retryable.
+    async fn in_batches<'a, F, Fut>(
+        &self,
+        op: &'static str,
+        counted_as: &str,
+        entries: &'a [Entry],
+        configured: usize,
+        send: F,
+    ) -> Vec<EntryResult>
+    where
+        F: Fn(&'a [Entry]) -> Fut,
+        Fut: Future<Output = (Vec<EntryResult>, bool)>,
+    {
+        let configured = configured.max(1);
+        let mut results = Vec::with_capacity(entries.len());
+        let mut down = false;
+        let mut rest = entries;
+        while !rest.is_empty() {
+            let (chunk, tail) = rest.split_at(self.batch.get(configured).min(rest.len()));
+            rest = tail;
+            let chunk_results = if down {
+                not_sent(op, &ids(chunk))
+            } else {
+                let started = Instant::now();
+                let (chunk_results, failed_whole) = send(chunk).await;
+                let deadline = self.settings.retry.call_timeout;
+                self.batch
+                    .observe(chunk.len(), started.elapsed(), deadline, configured);
+                down = failed_whole;
+                chunk_results
+            };
+            self.count(counted_as, &chunk_results);
+            results.extend(chunk_results);
+        }
+        results
+    }
+}
+
+/// A count is a probe: one short attempt, no retries (its caller polls).
+const PROBE_POLICY: RetryPolicy = RetryPolicy {
+    initial_delay: Duration::ZERO,
+    max_delay: Duration::ZERO,
+    budget: Duration::ZERO,
+    call_timeout: Duration::from_secs(2),
+};
+
+/// Results for a batch skipped because an earlier one failed as a whole: retryable.
+fn not_sent<T>(op: &'static str, ids: &[String]) -> Vec<Result<T, ItemError>> {
+    failed_items(ids.iter(), SpireError::NotSent { op })
+}
+
 /// IDs with their position in the caller's input.
 type IndexedIds = Vec<(usize, String)>;
 
@@ -226,6 +355,7 @@ fn failed_items<'a, T>(
 ) -> Vec<Result<T, ItemError>> {
     let code = match &error {
         SpireError::Rpc { code, .. } | SpireError::Exhausted { code, .. } => *code,
+        SpireError::NotSent { .. } => tonic::Code::Unavailable,
         _ => tonic::Code::Unknown,
     };
     ids.map(|id| {
@@ -284,24 +414,39 @@ impl EntryApi for GrpcEntryClient {
         Ok(entries)
     }
 
-    async fn create(&self, entries: Vec<Entry>) -> Vec<EntryResult> {
-        let mut results = Vec::with_capacity(entries.len());
-        for chunk in entries.chunks(self.settings.create_batch.max(1)) {
-            let chunk_results = self.create_chunk(chunk).await;
-            self.count("create", &chunk_results);
-            results.extend(chunk_results);
+    async fn count_hinted(&self) -> Result<u64, SpireError> {
+        let mut total = 0;
+        for hint in self.ownership.hints() {
+            let request = pb::CountEntriesRequest {
+                filter: Some(pb::count_entries_request::Filter {
+                    by_hint: Some(hint.to_string()),
+                    ..Default::default()
+                }),
+            };
+            let response = self
+                .call_with(&PROBE_POLICY, "count", request, |mut c, r| async move {
+                    c.count_entries(r).await
+                })
+                .await?;
+            total += u64::try_from(response.count).unwrap_or(0);
         }
-        results
+        Ok(total)
+    }
+
+    async fn create(&self, entries: Vec<Entry>) -> Vec<EntryResult> {
+        let configured = self.settings.create_batch;
+        self.in_batches("batch_create", "create", &entries, configured, |chunk| {
+            self.create_chunk(chunk)
+        })
+        .await
     }
 
     async fn update(&self, entries: Vec<Entry>) -> Vec<EntryResult> {
-        let mut results = Vec::with_capacity(entries.len());
-        for chunk in entries.chunks(self.settings.update_batch.max(1)) {
-            let chunk_results = self.update_chunk(chunk).await;
-            self.count("update", &chunk_results);
-            results.extend(chunk_results);
-        }
-        results
+        let configured = self.settings.update_batch;
+        self.in_batches("batch_update", "update", &entries, configured, |chunk| {
+            self.update_chunk(chunk)
+        })
+        .await
     }
 
     async fn delete(&self, entries: Vec<Entry>) -> Vec<DeleteResult> {
@@ -322,8 +467,15 @@ impl EntryApi for GrpcEntryClient {
         }
         let (indexes, ours): (Vec<usize>, Vec<String>) = ours.into_iter().unzip();
         let mut deleted = Vec::with_capacity(ours.len());
+        let mut down = false;
         for chunk in ours.chunks(self.settings.delete_batch.max(1)) {
-            deleted.extend(self.delete_chunk(chunk).await);
+            if down {
+                deleted.extend(not_sent("batch_delete", chunk));
+                continue;
+            }
+            let (chunk_results, failed_whole) = self.delete_chunk(chunk).await;
+            down = failed_whole;
+            deleted.extend(chunk_results);
         }
         for (index, result) in indexes.into_iter().zip(deleted) {
             results[index] = Some(result);
@@ -334,5 +486,47 @@ impl EntryApi for GrpcEntryClient {
             .collect();
         self.count("delete", &results);
         results
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_shrink_when_slow_and_grow_back_when_quick() {
+        let deadline = Duration::from_secs(4);
+        let size = BatchSize::new();
+        assert_eq!(size.get(100), 100, "starts at the configured size");
+        size.observe(100, Duration::from_secs(3), deadline, 100);
+        assert_eq!(size.get(100), 50);
+        size.observe(50, Duration::from_secs(5), deadline, 100);
+        assert_eq!(size.get(100), 25, "a timeout halves too");
+        for _ in 0..10 {
+            size.observe(25, Duration::from_secs(4), deadline, 100);
+        }
+        assert_eq!(size.get(100), BatchSize::MIN, "never below the floor");
+        size.observe(BatchSize::MIN, Duration::from_millis(500), deadline, 100);
+        assert_eq!(
+            size.get(100),
+            BatchSize::MIN,
+            "a middling batch keeps the size"
+        );
+        size.observe(BatchSize::MIN, Duration::from_millis(100), deadline, 100);
+        assert_eq!(size.get(100), 2 * BatchSize::MIN);
+        size.observe(3, Duration::from_millis(100), deadline, 100);
+        assert_eq!(
+            size.get(100),
+            2 * BatchSize::MIN,
+            "a short tail says nothing of the size"
+        );
+        for _ in 0..10 {
+            size.observe(100, Duration::from_millis(10), deadline, 100);
+        }
+        assert_eq!(
+            size.get(100),
+            100,
+            "back to the configured size, never above"
+        );
     }
 }

@@ -67,6 +67,23 @@ fn similar(a: &Entry, b: &Entry) -> bool {
 }
 
 impl EntryApi for MemoryEntryApi {
+    async fn count_hinted(&self) -> Result<u64, SpireError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(SpireError::Exhausted {
+                op: "count",
+                attempts: 1,
+                code: tonic::Code::Unavailable,
+                message: "down".into(),
+            });
+        }
+        let entries = self.entries.lock().expect("lock");
+        let hints = self.ownership.hints();
+        Ok(entries
+            .values()
+            .filter(|e| hints.contains(&e.hint.as_str()))
+            .count() as u64)
+    }
+
     async fn list_ours(&self) -> Result<Vec<Entry>, SpireError> {
         if self.down.load(Ordering::SeqCst) {
             return Err(SpireError::Exhausted {

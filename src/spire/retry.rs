@@ -11,9 +11,12 @@ pub struct RetryPolicy {
     pub initial_delay: Duration,
     /// Cap of one back-off delay.
     pub max_delay: Duration,
-    /// Give up on a request after this much time spent retrying (the sync loop retries later).
+    /// Give up on a request after this much time spent retrying. Short: the sync loop retries
+    /// later, and a leader whose SPIRE is down must notice within seconds (it steps down).
     pub budget: Duration,
-    /// Deadline of one attempt (sent as `grpc-timeout` and enforced locally).
+    /// Deadline of one attempt (sent as `grpc-timeout` and enforced locally). Bounds the
+    /// longest single write, which the leader's renew deadline must leave room for: a
+    /// BatchCreateEntry of 100 took ~1.5 s at 10,000 Deployments on SQLite.
     pub call_timeout: Duration,
 }
 
@@ -22,8 +25,8 @@ impl Default for RetryPolicy {
         Self {
             initial_delay: Duration::from_millis(100),
             max_delay: Duration::from_secs(5),
-            budget: Duration::from_secs(30),
-            call_timeout: Duration::from_secs(10),
+            budget: Duration::from_secs(5),
+            call_timeout: Duration::from_secs(4),
         }
     }
 }

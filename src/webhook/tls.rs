@@ -101,6 +101,29 @@ pub fn server_config(cert: Arc<ReloadableCert>) -> Arc<rustls::ServerConfig> {
 /// A slow or silent client may hold a socket at most this long before its handshake completes.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What one client may hold of the webhook. The apiserver keeps a few long-lived HTTP/2
+/// connections and sends a review within its `timeoutSeconds` (5 s in our manifests);
+/// anything slower or more numerous is not the apiserver, or is broken.
+#[derive(Clone, Debug)]
+pub struct ServeLimits {
+    /// Open connections at most; beyond it, new ones wait in the kernel's accept backlog.
+    pub max_connections: usize,
+    /// Time to receive a request's headers (HTTP/1.1), idle keep-alive included.
+    pub header_read_timeout: Duration,
+    /// Concurrent streams per HTTP/2 connection.
+    pub max_streams: u32,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 512,
+            header_read_timeout: Duration::from_secs(5),
+            max_streams: 256,
+        }
+    }
+}
+
 /// Accepts TLS connections on `listener` and serves `router` until `shutdown`, then lets open
 /// connections finish (bounded by the caller's runtime shutdown).
 pub async fn serve(
@@ -109,9 +132,26 @@ pub async fn serve(
     router: Router,
     shutdown: CancellationToken,
 ) {
+    serve_with(listener, config, router, shutdown, ServeLimits::default()).await;
+}
+
+/// `serve` with explicit limits (tests use small ones).
+pub async fn serve_with(
+    listener: TcpListener,
+    config: Arc<rustls::ServerConfig>,
+    router: Router,
+    shutdown: CancellationToken,
+    limits: ServeLimits,
+) {
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
     loop {
+        // A slot first: at the limit we stop accepting instead of accepting and dropping.
+        let slot = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+        };
         let (tcp, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
@@ -127,7 +167,9 @@ pub async fn serve(
         let acceptor = acceptor.clone();
         let service = TowerToHyperService::new(router.clone());
         let watcher = graceful.watcher();
+        let limits = limits.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(error)) => {
@@ -139,7 +181,16 @@ pub async fn serve(
                     return;
                 }
             };
-            let builder = auto::Builder::new(TokioExecutor::new());
+            let mut builder = auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout);
+            builder
+                .http2()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .max_concurrent_streams(limits.max_streams)
+                .keep_alive_interval(Duration::from_secs(30));
             let connection = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
             if let Err(error) = watcher.watch(connection.into_owned()).await {
                 tracing::debug!(%peer, %error, "connection ended with an error");

@@ -17,6 +17,7 @@ pub mod kube_plane;
 pub mod paths;
 pub mod postgres;
 pub mod process;
+pub mod proxy;
 pub mod registrar;
 pub mod sampler;
 pub mod scale;

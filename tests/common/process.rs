@@ -72,6 +72,35 @@ impl ManagedProcess {
         let _ = child.wait();
     }
 
+    /// SIGTERM to the leader only, as the kubelet sends it; waits up to `within` for it to
+    /// exit. Returns how long it took and its status (`None`: still running, then killed).
+    pub fn terminate(&mut self, within: Duration) -> (Duration, Option<std::process::ExitStatus>) {
+        let Some(child) = self.child.as_mut() else {
+            return (Duration::ZERO, None);
+        };
+        let _ = nix::sys::signal::kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
+        let started = Instant::now();
+        let status = self.wait_exit(within);
+        let took = started.elapsed();
+        self.stop(Duration::ZERO);
+        (took, status)
+    }
+
+    /// Waits up to `within` for the process to exit by itself; its status if it did.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let child = self.child.as_mut()?;
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Kills the group at once (SIGKILL), as a crash would.
     pub fn kill(&mut self) {
         self.stop(Duration::ZERO);
@@ -123,6 +152,18 @@ pub fn run(command: &mut Command) -> (bool, String, String) {
 /// A minimal HTTP/1.0 GET on loopback; true on a 200 answer.
 pub fn http_get_ok(port: u16, path: &str) -> bool {
     http_get(port, path).is_some()
+}
+
+/// A minimal HTTP/1.0 GET on loopback: status code and body of any answer.
+pub fn http_get_status(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    let status = response.split_whitespace().nth(1)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string());
+    Some((status, body.unwrap_or_default()))
 }
 
 /// A minimal HTTP/1.0 GET on loopback; the body of a 200 answer.

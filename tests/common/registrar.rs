@@ -89,10 +89,14 @@ impl Registrar {
             .arg(format!("--admin-addr=127.0.0.1:{admin_port}"))
             .arg("--webhook-ip=127.0.0.1")
             .arg(format!("--replica-id={}", options.name))
-            .arg(format!(
-                "--spire-socket={}",
-                stack.spire_server.socket.display()
-            ))
+            .args(
+                // A test may point a registrar at its own socket (a proxy it can cut).
+                (!options
+                    .extra_args
+                    .iter()
+                    .any(|a| a.starts_with("--spire-socket=")))
+                .then(|| format!("--spire-socket={}", stack.spire_server.socket.display())),
+            )
             .args(&options.extra_args)
             .envs(
                 options

@@ -245,8 +245,15 @@ async fn raw_create_seconds(socket: &std::path::Path, count: usize) -> f64 {
         .await
         .expect("connect");
     let ownership = Ownership::new("raw").expect("valid");
+    // SPIRE's own speed is the figure: deadlines long enough for a slow datastore (SQLite
+    // created ~10 entries/s at 25,000), so a slow batch is waited for, not failed.
     let settings = ClientSettings {
         requests_per_second: 0.0,
+        retry: spiffe_registrar::spire::retry::RetryPolicy {
+            call_timeout: Duration::from_secs(60),
+            budget: Duration::from_secs(300),
+            ..Default::default()
+        },
         ..ClientSettings::default()
     };
     let client = GrpcEntryClient::new(
