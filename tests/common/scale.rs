@@ -468,9 +468,14 @@ pub async fn run(config: Config) -> Value {
     let steady_rss_mib = proc_field(pid, "VmRSS:");
     let steady_heap_mib = registrar.metric("heap_live_bytes", &[]) / MIB;
     let calls = registrar.spire_calls();
+    let list_calls =
+        || registrar.metric("spire_api_call_duration_seconds_count", &[("op", "list")]);
+    let lists = list_calls();
     progress(&format!("at rest for {} s", rest.as_secs()));
     tokio::time::sleep(rest).await;
     let spire_calls_per_min_at_rest = (registrar.spire_calls() - calls) * 60.0 / rest.as_secs_f64();
+    // At rest only drift checks (a count per hint every 10 s) are expected: never a list.
+    let spire_lists_at_rest = list_calls() - lists;
 
     // Namespace deletion: whole namespaces until 5,000 Deployments (or all) are covered.
     let per_namespace = total.div_ceil(NAMESPACES).max(1);
@@ -528,6 +533,7 @@ pub async fn run(config: Config) -> Value {
         "cpu_s_per_1000_status_updates": cpu_s_per_1000_status_updates,
         "status_updates": updates,
         "spire_calls_per_min_at_rest": spire_calls_per_min_at_rest,
+        "spire_lists_at_rest": spire_lists_at_rest,
         "namespace_delete_s": namespace_delete_s,
         "namespaces_deleted": doomed,
         "datastore": datastore.name(),
