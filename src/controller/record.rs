@@ -122,6 +122,35 @@ pub async fn patch_metadata(
     Ok(true)
 }
 
+/// Whether the Deployment now shows everything `change` asked for (read back after a patch
+/// whose outcome is unknown).
+async fn landed(client: &Client, deployment: &DeploymentRecord, change: &MetadataChange) -> bool {
+    let api: Api<Deployment> = Api::namespaced(client.clone(), &deployment.namespace);
+    match api.get_metadata_opt(&deployment.name).await {
+        Ok(Some(current)) => shows(&current.metadata, change),
+        _ => false,
+    }
+}
+
+/// Whether `meta` shows everything `change` asks for.
+fn shows(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    change: &MetadataChange,
+) -> bool {
+    let annotation = |key: &str| meta.annotations.as_ref().and_then(|a| a.get(key)).cloned();
+    let has_finalizer = meta.finalizers.iter().flatten().any(|f| f == FINALIZER);
+    (!change.add_finalizer || has_finalizer)
+        && (!change.remove_finalizer || !has_finalizer)
+        && change
+            .spiffe_id
+            .as_ref()
+            .is_none_or(|want| annotation(SPIFFE_ID_ANNOTATION) == *want)
+        && change
+            .entry_id
+            .as_ref()
+            .is_none_or(|want| annotation(ENTRY_ID_ANNOTATION) == *want)
+}
+
 /// Queues an Event about a policy or the CRD (Events are advisory: never waited on).
 pub fn event<K: Resource<DynamicType = ()>>(
     events: &EventSink,
@@ -145,6 +174,14 @@ pub async fn write_workload(
         match patch_metadata(client, &deployment, &change).await {
             Ok(_) => {}
             Err(kube::Error::Api(status)) if status.code == 404 => return false,
+            // Timed out or cut mid-request: the patch may have landed. If it did, the next
+            // sync finds nothing to write, so this is the last chance to count it.
+            Err(error)
+                if !matches!(error, kube::Error::Api(_))
+                    && landed(client, &deployment, &change).await =>
+            {
+                tracing::debug!(deployment = %deployment.name, namespace = %deployment.namespace, %error, "patch outcome was unknown; it landed");
+            }
             Err(error) => {
                 tracing::warn!(deployment = %deployment.name, namespace = %deployment.namespace, %error, "patch failed (stale cache?); will retry");
                 return true;
@@ -291,5 +328,39 @@ mod tests {
             &DeploymentRecord::from(&d),
             &change
         )));
+    }
+
+    #[test]
+    fn a_read_back_shows_a_change_only_when_all_of_it_landed() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+        let change = MetadataChange {
+            add_finalizer: true,
+            entry_id: Some(Some("sreg.c.1".into())),
+            ..MetadataChange::default()
+        };
+        let mut meta = ObjectMeta {
+            finalizers: Some(vec![FINALIZER.into()]),
+            annotations: Some(BTreeMap::from([(
+                ENTRY_ID_ANNOTATION.into(),
+                "sreg.c.1".into(),
+            )])),
+            ..ObjectMeta::default()
+        };
+        assert!(shows(&meta, &change));
+        meta.finalizers = None;
+        assert!(!shows(&meta, &change), "the finalizer is missing");
+        meta.finalizers = Some(vec![FINALIZER.into()]);
+        meta.annotations = Some(BTreeMap::from([(
+            ENTRY_ID_ANNOTATION.into(),
+            "sreg.c.2".into(),
+        )]));
+        assert!(!shows(&meta, &change), "another entry ID");
+        let removal = MetadataChange {
+            remove_finalizer: true,
+            entry_id: Some(None),
+            ..MetadataChange::default()
+        };
+        assert!(!shows(&meta, &removal));
+        assert!(shows(&ObjectMeta::default(), &removal));
     }
 }

@@ -312,10 +312,13 @@ impl<A: EntryApi> Controller<A> {
         }
     }
 
+    /// The next retry delay: doubling up to `MAX_BACKOFF`, with "equal jitter" (half fixed,
+    /// half random) so replicas and restarts do not retry in step. While SPIRE is down the
+    /// probe (`PROBE_INTERVAL`) wakes the loop sooner anyway.
     fn next_backoff(&mut self) -> Duration {
         let delay = self.backoff;
         self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
-        delay
+        delay / 2 + delay.mul_f64(rand::random_range(0.0..0.5))
     }
 
     /// Derives desired state on the blocking pool: at 50,000 Deployments it is tens of
