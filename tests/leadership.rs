@@ -151,6 +151,14 @@ async fn until_registered(socket: &Path, who: &Sa, within: Duration) -> Duration
     }
 }
 
+/// A proxy to the stack's SPIRE socket that the test can cut, and the flag that points a
+/// replica at it.
+async fn spire_proxy(stack: &Stack) -> (Proxy, String) {
+    let socket = stack.dir().join(format!("{}.sock", unique("spire-proxy")));
+    let proxy = Proxy::unix(socket.clone(), stack.spire_server.socket.clone()).await;
+    (proxy, format!("--spire-socket={}", socket.display()))
+}
+
 /// The admin kubeconfig, pointed at `proxy` instead of the apiserver.
 fn kubeconfig_via(stack: &Stack, proxy: &Proxy) -> PathBuf {
     let text = std::fs::read_to_string(&stack.kube.kubeconfig).expect("kubeconfig");
@@ -252,15 +260,11 @@ async fn sigterm_mid_sync_exits_within_5s_and_releases_the_lease() {
 async fn a_leader_that_cannot_use_spire_steps_down_and_the_other_replica_takes_over() {
     let stack = Stack::shared();
     let home = home(stack).await;
-    let socket = stack.dir().join(format!("{}.sock", unique("spire-proxy")));
-    let proxy = Proxy::unix(socket.clone(), stack.spire_server.socket.clone()).await;
+    let (proxy, via_proxy) = spire_proxy(stack).await;
     let a = home.replica(
         stack,
         "a",
-        &[
-            &format!("--spire-socket={}", socket.display()),
-            "--spire-unusable-after=3s",
-        ],
+        &[&via_proxy, "--spire-unusable-after=3s"],
         &[],
         None,
     );
@@ -297,15 +301,8 @@ async fn a_leader_that_cannot_use_spire_steps_down_and_the_other_replica_takes_o
 async fn registration_resumes_within_2s_of_spire_returning_after_a_long_outage() {
     let stack = Stack::shared();
     let home = home(stack).await;
-    let socket = stack.dir().join(format!("{}.sock", unique("spire-proxy")));
-    let proxy = Proxy::unix(socket.clone(), stack.spire_server.socket.clone()).await;
-    let only = home.replica(
-        stack,
-        "only",
-        &[&format!("--spire-socket={}", socket.display())],
-        &[],
-        None,
-    );
+    let (proxy, via_proxy) = spire_proxy(stack).await;
+    let only = home.replica(stack, "only", &[&via_proxy], &[], None);
     home.wait_holder("only", WAIT).await;
     let (scenario, ns) = workloads(stack, &home).await;
     scenario.registered(&ns, "before", "before").await;

@@ -3,47 +3,23 @@
 //! from a real review with parts replaced by values of the wrong type, odd kinds and
 //! operations, huge strings, deep nesting, and truncated at random.
 
+mod common;
+
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
+use common::views::StaticView;
 use http_body_util::BodyExt;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use serde_json::{Map, Value, json};
-use spiffe_registrar::index::PolicyView;
-use spiffe_registrar::policy::{Labels, OptIn, SpiffeRegistration};
-use spiffe_registrar::spire::Ownership;
+use spiffe_registrar::policy::SpiffeRegistration;
 use spiffe_registrar::webhook::metrics::WebhookMetrics;
 use spiffe_registrar::webhook::{WebhookState, router};
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use tower::ServiceExt;
 
 const FIXTURE: &str = include_str!("fixtures/create-deployment.json");
 const CASES: u32 = 100_000;
-
-/// Every namespace opted in, one policy: the full decision path runs for well-formed input.
-struct View(OptIn, Ownership, Vec<Arc<SpiffeRegistration>>);
-
-impl PolicyView for View {
-    fn opt_in(&self) -> &OptIn {
-        &self.0
-    }
-    fn ownership(&self) -> &Ownership {
-        &self.1
-    }
-    fn namespace_labels(&self, _: &str) -> Option<BTreeMap<String, String>> {
-        Some(BTreeMap::from([(
-            "spiffe.io/registrar".into(),
-            "enabled".into(),
-        )]))
-    }
-    fn policies(&self) -> Vec<Arc<SpiffeRegistration>> {
-        self.2.clone()
-    }
-    fn sibling_labels(&self, _: &str, _: &str, _: &str) -> Vec<Labels> {
-        Vec::new()
-    }
-}
 
 fn app() -> axum::Router {
     let policy: SpiffeRegistration = serde_json::from_value(json!({
@@ -55,11 +31,9 @@ fn app() -> axum::Router {
     .expect("policy");
     let registry = prometheus::Registry::new();
     router(WebhookState {
-        view: Arc::new(View(
-            OptIn::default(),
-            Ownership::new("fuzz").expect("valid"),
-            vec![Arc::new(policy)],
-        )),
+        // Every namespace opted in, one policy: the full decision path runs for well-formed
+        // input.
+        view: Arc::new(StaticView::opted_in("fuzz", vec![Arc::new(policy)])),
         metrics: WebhookMetrics::register(&registry).expect("metrics"),
         registrar_user: Some("system:serviceaccount:r:r".into()),
     })

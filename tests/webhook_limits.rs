@@ -2,18 +2,17 @@
 //! gets 413 over HTTP/1.1 and HTTP/2, a client that never finishes its headers is cut off, and
 //! connections beyond the limit wait in the accept backlog until a slot frees.
 
+mod common;
+
+use common::views::StaticView;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use spiffe_registrar::certs::generate::{new_ca, new_serving};
-use spiffe_registrar::index::PolicyView;
-use spiffe_registrar::policy::{Labels, OptIn, SpiffeRegistration};
-use spiffe_registrar::spire::Ownership;
 use spiffe_registrar::webhook::metrics::WebhookMetrics;
 use spiffe_registrar::webhook::router::MAX_BODY_BYTES;
 use spiffe_registrar::webhook::tls::{ReloadableCert, ServeLimits, serve_with, server_config};
 use spiffe_registrar::webhook::{WebhookState, router};
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,26 +21,6 @@ use tokio_rustls::client::TlsStream;
 use tokio_util::sync::CancellationToken;
 
 const FIXTURE: &str = include_str!("fixtures/create-deployment.json");
-
-struct EmptyView(OptIn, Ownership);
-
-impl PolicyView for EmptyView {
-    fn opt_in(&self) -> &OptIn {
-        &self.0
-    }
-    fn ownership(&self) -> &Ownership {
-        &self.1
-    }
-    fn namespace_labels(&self, _: &str) -> Option<BTreeMap<String, String>> {
-        None
-    }
-    fn policies(&self) -> Vec<Arc<SpiffeRegistration>> {
-        Vec::new()
-    }
-    fn sibling_labels(&self, _: &str, _: &str, _: &str) -> Vec<Labels> {
-        Vec::new()
-    }
-}
 
 /// A webhook served over TLS on loopback with `limits`, and a client trusting its CA.
 struct Served {
@@ -66,10 +45,7 @@ async fn start(limits: ServeLimits) -> Served {
     );
     let registry = prometheus::Registry::new();
     let state = WebhookState {
-        view: Arc::new(EmptyView(
-            OptIn::default(),
-            Ownership::new("limits").expect("valid"),
-        )),
+        view: Arc::new(StaticView::empty("limits")),
         metrics: WebhookMetrics::register(&registry).expect("metrics"),
         registrar_user: None,
     };

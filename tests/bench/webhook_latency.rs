@@ -15,6 +15,7 @@ use common::k8s::{
     create_namespace, create_webhook_configuration, deployment, install_crd, policy,
 };
 use common::registrar::{Options, Registrar};
+use common::views::StaticView;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -23,40 +24,14 @@ use kube::Api;
 use kube::api::PostParams;
 use serde_json::json;
 use spiffe_registrar::certs::generate::{new_ca, new_serving};
-use spiffe_registrar::index::PolicyView;
-use spiffe_registrar::policy::{OptIn, SpiffeRegistration};
-use spiffe_registrar::spire::Ownership;
+use spiffe_registrar::policy::SpiffeRegistration;
 use spiffe_registrar::webhook::metrics::WebhookMetrics;
 use spiffe_registrar::webhook::tls::{ReloadableCert, serve, server_config};
 use spiffe_registrar::webhook::{WebhookState, router};
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const FIXTURE: &str = include_str!("../fixtures/create-deployment.json");
-
-struct View(Vec<Arc<SpiffeRegistration>>, OptIn, Ownership);
-
-impl PolicyView for View {
-    fn opt_in(&self) -> &OptIn {
-        &self.1
-    }
-    fn ownership(&self) -> &Ownership {
-        &self.2
-    }
-    fn sibling_labels(&self, _: &str, _: &str, _: &str) -> Vec<spiffe_registrar::policy::Labels> {
-        Vec::new()
-    }
-    fn namespace_labels(&self, _: &str) -> Option<BTreeMap<String, String>> {
-        Some(BTreeMap::from([(
-            "spiffe.io/registrar".into(),
-            "enabled".into(),
-        )]))
-    }
-    fn policies(&self) -> Vec<Arc<SpiffeRegistration>> {
-        self.0.clone()
-    }
-}
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
@@ -103,11 +78,7 @@ async fn in_process(requests: usize) {
     );
     let registry = prometheus::Registry::new();
     let state = WebhookState {
-        view: Arc::new(View(
-            vec![Arc::new(policy)],
-            OptIn::default(),
-            Ownership::new("bench").expect("valid"),
-        )),
+        view: Arc::new(StaticView::opted_in("bench", vec![Arc::new(policy)])),
         metrics: WebhookMetrics::register(&registry).expect("metrics"),
         registrar_user: None,
     };

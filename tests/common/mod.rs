@@ -23,6 +23,7 @@ pub mod sampler;
 pub mod scale;
 pub mod spire;
 pub mod stack;
+pub mod views;
 pub mod world;
 
 pub use stack::Stack;
