@@ -25,6 +25,7 @@ use super::record::MetadataChange;
 use crate::spire::{Entry, ItemError, Ownership};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[cfg(test)]
@@ -79,6 +80,9 @@ pub struct Memory {
     /// A hash of the last note announced per (Deployment, reason), so an unchanged situation
     /// is not re-announced. A hash, not the note: this holds one slot per Deployment.
     announced: BTreeMap<(DeploymentKey, &'static str), u64>,
+    /// First registrations whose patch failed, with the entry ID it carried (see
+    /// `writer::Finished::unconfirmed`).
+    pub unconfirmed: Vec<(DeploymentKey, Arc<str>)>,
 }
 
 impl Memory {
@@ -86,6 +90,32 @@ impl Memory {
     pub fn forget_spire_answers(&mut self) {
         self.rejected.clear();
         self.foreign.clear();
+    }
+
+    /// Settles the registrations whose patch failed: those `desired` shows with the entry ID
+    /// the patch carried did land (their namespaces are returned, to be counted once). The
+    /// rest are forgotten: the Deployment still lacks its entry-id, so this sync writes it again
+    /// as a first registration, counted when that patch succeeds.
+    pub fn settle_registrations(&mut self, desired: &Desired) -> Vec<Arc<str>> {
+        std::mem::take(&mut self.unconfirmed)
+            .into_iter()
+            .filter(|(key, entry_id)| {
+                desired
+                    .workloads
+                    .get(key)
+                    .is_some_and(|w| w.entry_id.as_deref() == Some(&**entry_id))
+            })
+            .map(|(key, _)| key.namespace)
+            .collect()
+    }
+
+    /// Notes that `policy` renders `entry_id` (every sync, for every entry: written only when
+    /// it changes, so a sync allocates nothing here at rest).
+    fn remember_policy(&mut self, entry_id: &str, policy: &str) {
+        if self.policy_of.get(entry_id).map(String::as_str) != Some(policy) {
+            self.policy_of
+                .insert(entry_id.to_string(), policy.to_string());
+        }
     }
 
     /// The policy that last rendered `entry_id`, if known.
@@ -150,7 +180,8 @@ pub struct Brake {
 /// SPIRE writes and what is kept back.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SpirePlan {
-    pub create: Vec<Entry>,
+    /// Shared with desired state.
+    pub create: Vec<Arc<Entry>>,
     /// Mutable fields and hints (adoption, rename), by ID.
     pub update: Vec<Entry>,
     /// Entries of ours, as observed.
@@ -208,7 +239,7 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
         let SaState::Needs { policy, entry } = &account.state else {
             continue;
         };
-        memory.policy_of.insert(entry.id.clone(), policy.clone());
+        memory.remember_policy(&entry.id, policy);
         // An entry under our ID whose SPIFFE ID, parent or selectors were edited behind our
         // back serves no one correctly: it is replaced (the writer deletes it first).
         let tampered = observed
@@ -225,33 +256,33 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
             let wanted = Entry {
                 id: existing.id.clone(),
                 hint: ownership.hint_for(&existing.id).to_string(),
-                ..entry.clone()
+                ..(**entry).clone()
             };
             if existing.mutable_fields_differ(&wanted) {
                 plan.update.push(wanted);
             }
-            memory.policy_of.insert(existing.id.clone(), policy.clone());
+            memory.remember_policy(&existing.id, policy);
             memory
                 .present_since
                 .entry(existing.id.clone())
                 .or_insert(now);
             plan.serving.insert(sa.clone(), existing.id.clone());
-        } else if let Some(theirs) = memory.foreign.get(&entry.id) {
+        } else if let Some(theirs) = memory.foreign.get(&entry.id).map(|e| e.id.clone()) {
             // The workload has an identity (theirs). Adopt it in place, or leave it alone.
-            memory.present_since.entry(theirs.id.clone()).or_insert(now);
+            memory.present_since.entry(theirs.clone()).or_insert(now);
             if settings.adopt {
                 plan.update.push(Entry {
-                    id: theirs.id.clone(),
-                    hint: ownership.hint_for(&theirs.id).to_string(),
-                    ..entry.clone()
+                    id: theirs.clone(),
+                    hint: ownership.hint_for(&theirs).to_string(),
+                    ..(**entry).clone()
                 });
-                memory.policy_of.insert(theirs.id.clone(), policy.clone());
+                memory.remember_policy(&theirs, policy);
             }
-            plan.serving.insert(sa.clone(), theirs.id.clone());
+            plan.serving.insert(sa.clone(), theirs);
         } else if memory
             .rejected
             .get(&entry.id)
-            .is_some_and(|(refused, _)| refused == entry)
+            .is_some_and(|(refused, _)| refused == &**entry)
         {
             // SPIRE said no to exactly this; asking again cannot help.
         } else {
@@ -467,7 +498,8 @@ pub fn brake_token<'a>(ids: impl Iterator<Item = &'a str>) -> String {
 pub struct Announce {
     pub warning: bool,
     pub reason: &'static str,
-    pub note: String,
+    /// Shared among the Deployments of a service account that get the same note.
+    pub note: Arc<str>,
 }
 
 impl Announce {
@@ -475,14 +507,14 @@ impl Announce {
         Self {
             warning: false,
             reason,
-            note,
+            note: note.into(),
         }
     }
     fn warning(reason: &'static str, note: String) -> Self {
         Self {
             warning: true,
             reason,
-            note,
+            note: note.into(),
         }
     }
 }
@@ -513,10 +545,23 @@ pub fn workload_writes(
     scope: Option<&BTreeSet<SaKey>>,
 ) -> Vec<WorkloadWrite> {
     let in_scope = |sa: &SaKey| scope.is_none_or(|scope| scope.contains(sa));
-    // Entries of ours per service account, as SPIRE has them now.
+    let scope_parts: Option<std::collections::HashSet<(&str, &str)>> = scope.map(|scope| {
+        scope
+            .iter()
+            .map(|sa| (&*sa.namespace, &*sa.service_account))
+            .collect()
+    });
+    // Entries of ours per service account, as SPIRE has them now (a scoped pass allocates a
+    // key only for its own service accounts).
     let mut remaining: BTreeMap<SaKey, Vec<&Entry>> = BTreeMap::new();
     for entry in observed.values() {
-        if let Some(sa) = SaKey::of_entry(entry).filter(|sa| in_scope(sa)) {
+        let Some(parts) = SaKey::parts_of_entry(entry) else {
+            continue;
+        };
+        if scope_parts.as_ref().is_some_and(|s| !s.contains(&parts)) {
+            continue;
+        }
+        if let Some(sa) = SaKey::of_entry(entry) {
             remaining.entry(sa).or_default().push(entry);
         }
     }
@@ -526,14 +571,32 @@ pub fn workload_writes(
         .map(|p| (p.entry.id.as_str(), &p.why))
         .collect();
     let mut writes = Vec::new();
-    for (key, workload) in &desired.workloads {
+    let mut strings = SharedStrings::default();
+    // A scoped pass (after a create chunk) visits only the live Deployments of its service
+    // accounts: at 50,000 Deployments a pass over all of them per chunk made the first sync
+    // quadratic. The unscoped pass that ends every sync visits everything.
+    let workloads: Box<dyn Iterator<Item = (&DeploymentKey, &super::desired::Workload)>> =
+        match scope {
+            None => Box::new(desired.workloads.iter()),
+            Some(scope) => Box::new(
+                scope
+                    .iter()
+                    .filter_map(|sa| desired.service_accounts.get(sa))
+                    .flat_map(|account| account.deployments.iter())
+                    .filter_map(|key| desired.workloads.get_key_value(key)),
+            ),
+        };
+    for (key, workload) in workloads {
         let sa = &workload.service_account;
         if !in_scope(sa) {
             continue;
         }
         let account = desired.service_accounts.get(sa);
         let ours_left = remaining.get(sa).map(Vec::as_slice).unwrap_or_default();
-        let (change, announce, registered) = match (workload.deleting, account.map(|a| &a.state)) {
+        let (mut change, announce, registered) = match (
+            workload.deleting,
+            account.map(|a| &a.state),
+        ) {
             // Siblings still run as its service account: nothing of ours waits on it.
             (true, Some(_)) | (true, None) if !workload.has_finalizer => continue,
             (true, Some(_)) => (release(workload, false), None, false),
@@ -621,6 +684,18 @@ pub fn workload_writes(
         }
         announce.retain(|a| memory.first_time(key, a));
         if !change.is_empty() || !announce.is_empty() {
+            // Writes wait in the writer's queue (a first sync queues one per Deployment):
+            // values repeated per service account are kept once.
+            for note in announce.iter_mut().map(|a| &mut a.note) {
+                strings.share(note);
+            }
+            for value in [&mut change.spiffe_id, &mut change.entry_id]
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                strings.share(value);
+            }
             writes.push(WorkloadWrite {
                 key: key.clone(),
                 change,
@@ -635,6 +710,21 @@ pub fn workload_writes(
             .retain(|(key, _), _| desired.workloads.contains_key(key));
     }
     writes
+}
+
+/// One copy of each string value among a pass's writes.
+#[derive(Default)]
+struct SharedStrings(std::collections::HashSet<Arc<str>>);
+
+impl SharedStrings {
+    fn share(&mut self, value: &mut Arc<str>) {
+        match self.0.get(value) {
+            Some(shared) => *value = shared.clone(),
+            None => {
+                self.0.insert(value.clone());
+            }
+        }
+    }
 }
 
 /// Removes our finalizer, and our annotations when the Deployment stays (out of scope).
@@ -662,7 +752,7 @@ fn needs(
         ..Default::default()
     };
     if workload.spiffe_id.as_deref() != Some(entry.spiffe_id.as_str()) {
-        change.spiffe_id = Some(Some(entry.spiffe_id.clone()));
+        change.spiffe_id = Some(Some(entry.spiffe_id.as_str().into()));
     }
     if let Some(error) = failures.get(&entry.id) {
         let note = format!("entry {} for {}: {error}", entry.id, entry.spiffe_id);
@@ -702,7 +792,7 @@ fn needs(
         return (change, None, false);
     }
     let first = workload.entry_id.is_none();
-    change.entry_id = Some(Some(serving.clone()));
+    change.entry_id = Some(Some(serving.as_str().into()));
     let note = format!("SPIFFE ID {}, SPIRE entry {serving}", entry.spiffe_id);
     (change, Some(Announce::normal("Registered", note)), first)
 }

@@ -12,6 +12,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::PostParams;
 use kube::{Api, Client};
 use prometheus::IntCounter;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::MissedTickBehavior;
@@ -30,7 +31,7 @@ struct Pending {
     regarding: ObjectReference,
     warning: bool,
     reason: String,
-    note: String,
+    note: Arc<str>,
 }
 
 /// Cheap to clone; every clone feeds the same writers.
@@ -60,7 +61,7 @@ impl EventSink {
     }
 
     /// Queues an Event about `regarding`; never waits.
-    pub fn publish(&self, regarding: ObjectReference, warning: bool, reason: &str, note: String) {
+    pub fn publish(&self, regarding: ObjectReference, warning: bool, reason: &str, note: Arc<str>) {
         let pending = Pending {
             regarding,
             warning,
@@ -102,7 +103,7 @@ fn event_object(replica_id: &str, pending: Pending) -> Event {
         event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
         action: Some("Reconcile".into()),
         reason: Some(reason),
-        note: Some(note),
+        note: Some(note.to_string()),
         type_: Some(if warning { "Warning" } else { "Normal" }.into()),
         regarding: Some(regarding),
         reporting_controller: Some(REPORTING_CONTROLLER.into()),

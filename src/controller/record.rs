@@ -17,9 +17,9 @@ use std::sync::Arc;
 pub struct MetadataChange {
     pub add_finalizer: bool,
     pub remove_finalizer: bool,
-    /// `Some(None)` removes the annotation.
-    pub spiffe_id: Option<Option<String>>,
-    pub entry_id: Option<Option<String>>,
+    /// `Some(None)` removes the annotation. Values are shared among the writes of a sync.
+    pub spiffe_id: Option<Option<Arc<str>>>,
+    pub entry_id: Option<Option<Arc<str>>>,
 }
 
 impl MetadataChange {
@@ -72,13 +72,13 @@ pub fn operations(deployment: &DeploymentRecord, change: &MetadataChange) -> Vec
     ] {
         let path = format!("/metadata/annotations/{}", escape(key));
         match wanted {
-            Some(Some(value)) if current != Some(value.as_str()) => {
+            Some(Some(value)) if current != Some(&**value) => {
                 if !annotations_exist {
                     guard_version = true;
                     ops.push(json!({ "op": "add", "path": "/metadata/annotations", "value": {} }));
                     annotations_exist = true;
                 }
-                ops.push(json!({ "op": "add", "path": path, "value": value }));
+                ops.push(json!({ "op": "add", "path": path, "value": &**value }));
             }
             Some(None) if current.is_some() => ops.push(json!({ "op": "remove", "path": path })),
             _ => {}
@@ -137,18 +137,23 @@ fn shows(
     meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
     change: &MetadataChange,
 ) -> bool {
-    let annotation = |key: &str| meta.annotations.as_ref().and_then(|a| a.get(key)).cloned();
+    let annotation = |key: &str| {
+        meta.annotations
+            .as_ref()
+            .and_then(|a| a.get(key))
+            .map(String::as_str)
+    };
     let has_finalizer = meta.finalizers.iter().flatten().any(|f| f == FINALIZER);
     (!change.add_finalizer || has_finalizer)
         && (!change.remove_finalizer || !has_finalizer)
         && change
             .spiffe_id
             .as_ref()
-            .is_none_or(|want| annotation(SPIFFE_ID_ANNOTATION) == *want)
+            .is_none_or(|want| annotation(SPIFFE_ID_ANNOTATION) == want.as_deref())
         && change
             .entry_id
             .as_ref()
-            .is_none_or(|want| annotation(ENTRY_ID_ANNOTATION) == *want)
+            .is_none_or(|want| annotation(ENTRY_ID_ANNOTATION) == want.as_deref())
 }
 
 /// Queues an Event about a policy or the CRD (Events are advisory: never waited on).
@@ -159,7 +164,7 @@ pub fn event<K: Resource<DynamicType = ()>>(
     reason: &str,
     note: String,
 ) {
-    events.publish(object.object_ref(&()), warning, reason, note);
+    events.publish(object.object_ref(&()), warning, reason, note.into());
 }
 
 /// Patches one Deployment and queues its Events; true when the patch failed (retry).

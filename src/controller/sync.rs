@@ -358,6 +358,12 @@ impl<A: EntryApi> Controller<A> {
             debug!(entries = self.view.entries.len(), "refreshed SPIRE view");
         }
         let (desired, deployments, policies) = self.desired().await;
+        for namespace in self.memory.settle_registrations(&desired) {
+            self.metrics
+                .registrations
+                .with_label_values(&[&*namespace])
+                .inc();
+        }
         let mut plan = self.decide(&desired);
         if let Some(brake) = &plan.brake
             && self.refresh_confirmation(&brake.token).await
@@ -368,7 +374,7 @@ impl<A: EntryApi> Controller<A> {
             self.client.clone(),
             self.events.clone(),
             self.metrics.clone(),
-            &deployments,
+            deployments,
         );
         let report = if plan.writes() == 0 {
             ApplyReport::default()
@@ -408,7 +414,9 @@ impl<A: EntryApi> Controller<A> {
             None,
         );
         writer.spawn(&desired, writes);
-        let patch_failed = writer.finish().await;
+        let finished = writer.finish().await;
+        self.memory.unconfirmed.extend(finished.unconfirmed);
+        let patch_failed = finished.patch_failed;
         let outcome = Outcome {
             desired: &desired,
             plan: &plan,
@@ -505,7 +513,7 @@ impl<A: EntryApi> Controller<A> {
                 .view
                 .apply(self.api.as_ref(), &self.settings.ownership, &part)
                 .await;
-            let scope: BTreeSet<SaKey> = chunk.iter().filter_map(SaKey::of_entry).collect();
+            let scope: BTreeSet<SaKey> = chunk.iter().filter_map(|e| SaKey::of_entry(e)).collect();
             report.absorb(done);
             if failpoint("pause-after-create") {
                 continue;
@@ -684,13 +692,16 @@ fn failpoint(name: &str) -> bool {
 /// The desired state, and the cache contents it was derived from.
 type Snapshot = (
     Desired,
-    Vec<Arc<DeploymentRecord>>,
+    Arc<[Arc<DeploymentRecord>]>,
     Vec<Arc<SpiffeRegistration>>,
 );
 
 /// The caches' current contents and the desired state derived from them.
 fn snapshot(settings: &ControllerSettings, index: &Index) -> Snapshot {
-    let deployments = index.deployments.state();
+    let mut deployments = index.deployments.state();
+    // The writer looks Deployments up in this snapshot by key.
+    deployments.sort_unstable_by(super::writer::by_key);
+    let deployments: Arc<[_]> = deployments.into();
     let policies = index.policies.state();
     let namespaces = |ns: &str| -> Option<NamespaceInfo> { index.namespace_info(ns) };
     let desired = desired::compute(

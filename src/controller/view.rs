@@ -126,7 +126,9 @@ impl SpireView {
     ) -> ApplyReport {
         let mut report = ApplyReport::default();
         if !plan.create.is_empty() {
-            let results = api.create(plan.create.clone()).await;
+            let results = api
+                .create(plan.create.iter().map(|e| Entry::clone(e)).collect())
+                .await;
             for (sent, result) in plan.create.iter().zip(results) {
                 let id = sent.id.clone();
                 match result {
@@ -142,7 +144,7 @@ impl SpireView {
                     }
                     Ok(entry) => report.foreign.push((id, entry)),
                     Err(ItemError::Invalid { id, message }) => {
-                        report.rejected.push((sent.clone(), message.clone()));
+                        report.rejected.push((Entry::clone(sent), message.clone()));
                         report
                             .failures
                             .insert(id.clone(), ItemError::Invalid { id, message });
@@ -208,7 +210,7 @@ mod tests {
 
     fn plan(create: Vec<Entry>, update: Vec<Entry>, delete: Vec<Entry>) -> SpirePlan {
         SpirePlan {
-            create,
+            create: create.into_iter().map(std::sync::Arc::new).collect(),
             update,
             delete,
             ..SpirePlan::default()

@@ -13,7 +13,7 @@ use crate::index::DeploymentRecord;
 use futures::StreamExt;
 use kube::Client;
 use prometheus::IntCounter;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -26,15 +26,17 @@ const PATCH_CONCURRENCY: usize = 16;
 
 pub struct WorkloadWriter {
     metrics: ControllerMetrics,
-    /// The cached objects the writes are computed against (patches test what they rely on).
-    deployments: HashMap<DeploymentKey, Arc<DeploymentRecord>>,
+    /// The cached objects the writes are computed against (patches test what they rely on),
+    /// sorted by namespace and name: the sync's snapshot itself, not a map of it (a map
+    /// cost ~50 bytes per Deployment for the whole sync).
+    deployments: Arc<[Arc<DeploymentRecord>]>,
     /// Deployments already handed a write this sync: a later, wider pass computed from the
     /// same cache would only repeat it.
     written: HashSet<DeploymentKey>,
     queue: mpsc::UnboundedSender<Job>,
-    /// Runs the queue; true when a patch failed. Aborted if the writer is dropped before
+    /// Runs the queue. Aborted if the writer is dropped before
     /// `finish` (a sync cancelled because leadership ended: nothing more may be written).
-    driver: Option<JoinHandle<bool>>,
+    driver: Option<JoinHandle<Finished>>,
 }
 
 impl Drop for WorkloadWriter {
@@ -58,15 +60,16 @@ impl WorkloadWriter {
         client: Client,
         events: EventSink,
         metrics: ControllerMetrics,
-        deployments: &[Arc<DeploymentRecord>],
+        deployments: Arc<[Arc<DeploymentRecord>]>,
     ) -> Self {
+        debug_assert!(deployments.is_sorted_by(|a, b| by_key(a, b).is_le()));
         let (queue, jobs) = mpsc::unbounded_channel();
         let driver = tokio::spawn(
             drive(client, events, jobs).instrument(tracing::info_span!("workload_writer")),
         );
         Self {
             metrics,
-            deployments: deployments.iter().map(|d| (d.key(), d.clone())).collect(),
+            deployments,
             written: HashSet::new(),
             queue,
             driver: Some(driver),
@@ -79,7 +82,7 @@ impl WorkloadWriter {
             if !self.written.insert(write.key.clone()) {
                 continue;
             }
-            let Some(deployment) = self.deployments.get(&write.key).cloned() else {
+            let Some(deployment) = self.deployment(&write.key) else {
                 continue;
             };
             self.count(desired, &write);
@@ -94,6 +97,14 @@ impl WorkloadWriter {
                 registrations,
             });
         }
+    }
+
+    fn deployment(&self, key: &DeploymentKey) -> Option<Arc<DeploymentRecord>> {
+        let at = self
+            .deployments
+            .binary_search_by(|d| (&*d.namespace, &*d.name).cmp(&(&*key.namespace, &*key.name)))
+            .ok()?;
+        Some(self.deployments[at].clone())
     }
 
     fn count(&self, desired: &Desired, write: &WorkloadWrite) {
@@ -118,21 +129,51 @@ impl WorkloadWriter {
         }
     }
 
-    /// Waits for every write; true when a patch failed (the sync is then retried).
-    pub async fn finish(mut self) -> bool {
+    /// Waits for every write.
+    pub async fn finish(mut self) -> Finished {
         let (closed, _) = mpsc::unbounded_channel();
         // Closing the queue lets the driver finish once what is queued is written. The
         // handle stays in `self`, so a cancelled `finish` still aborts the driver on drop.
         drop(std::mem::replace(&mut self.queue, closed));
+        let failed = Finished {
+            patch_failed: true,
+            unconfirmed: Vec::new(),
+        };
         match self.driver.as_mut() {
-            Some(driver) => driver.await.unwrap_or(true),
-            None => true,
+            Some(driver) => driver.await.unwrap_or(failed),
+            None => failed,
         }
     }
 }
 
-/// Runs queued writes, at most `PATCH_CONCURRENCY` at once; true when a patch failed.
-async fn drive(client: Client, events: EventSink, jobs: mpsc::UnboundedReceiver<Job>) -> bool {
+/// What a sync's writes came to.
+#[derive(Debug, Default)]
+pub struct Finished {
+    /// A patch failed: the sync is retried.
+    pub patch_failed: bool,
+    /// First registrations whose patch failed, with the entry ID it carried. A patch can
+    /// time out and still land (an overloaded apiserver gives up on the request after
+    /// committing it, and reading it back at once can come too early); a later sync that
+    /// finds the Deployment showing that ID counts the registration then
+    /// (`decide::Memory::settle_registrations`).
+    pub unconfirmed: Vec<(DeploymentKey, Arc<str>)>,
+}
+
+impl Finished {
+    fn absorb(mut self, other: Finished) -> Finished {
+        self.patch_failed |= other.patch_failed;
+        self.unconfirmed.extend(other.unconfirmed);
+        self
+    }
+}
+
+/// The order `WorkloadWriter::new` expects its snapshot in.
+pub fn by_key(a: &Arc<DeploymentRecord>, b: &Arc<DeploymentRecord>) -> std::cmp::Ordering {
+    (&*a.namespace, &*a.name).cmp(&(&*b.namespace, &*b.name))
+}
+
+/// Runs queued writes, at most `PATCH_CONCURRENCY` at once.
+async fn drive(client: Client, events: EventSink, jobs: mpsc::UnboundedReceiver<Job>) -> Finished {
     let mut jobs = jobs;
     futures::stream::poll_fn(move |cx| jobs.poll_recv(cx))
         .map(|job| {
@@ -148,17 +189,30 @@ async fn drive(client: Client, events: EventSink, jobs: mpsc::UnboundedReceiver<
                     deployment = %deployment.name,
                     namespace = %deployment.namespace
                 );
+                let entry_id = write.change.entry_id.clone().flatten();
+                let key = write.key;
                 let failed =
                     write_workload(client, events, deployment, write.change, write.announce)
                         .instrument(span)
                         .await;
-                if write.registered && !failed {
-                    registrations.inc();
+                let mut outcome = Finished {
+                    patch_failed: failed,
+                    unconfirmed: Vec::new(),
+                };
+                if write.registered {
+                    match (failed, entry_id) {
+                        (false, _) => registrations.inc(),
+                        (true, Some(entry_id)) => outcome.unconfirmed.push((key, entry_id)),
+                        (true, None) => {}
+                    }
                 }
-                failed
+                outcome
             }
         })
         .buffer_unordered(PATCH_CONCURRENCY)
-        .fold(false, |failed, this| async move { failed | this })
+        .fold(
+            Finished::default(),
+            |all, this| async move { all.absorb(this) },
+        )
         .await
 }

@@ -49,6 +49,13 @@ pub struct Entry {
     pub revision_number: i64,
 }
 
+/// Lets code take plain and shared entries alike.
+impl AsRef<Entry> for Entry {
+    fn as_ref(&self) -> &Entry {
+        self
+    }
+}
+
 impl Entry {
     /// Sorts and deduplicates the set-valued fields, so two entries that SPIRE treats as the
     /// same compare equal here.

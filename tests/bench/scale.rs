@@ -2,9 +2,11 @@
 //! registrar from a cold start. Prints one JSON object on stdout; progress goes to stderr.
 //!
 //!   cargo run --release --example scale -- --deployments 10000 [--rest-seconds 300]
-//!       [--datastore sqlite|postgres]
+//!       [--datastore sqlite|sqlite-analyzed|postgres]
 //!
 //! PostgreSQL is Debian's, installed by `tests/testenv/postgres.sh` where missing.
+//! `sqlite-analyzed` gives SPIRE's SQLite planner statistics first: as shipped, each create
+//! scans every entry under the same parent (tests/testenv/sqlite-planner-statistics.sql).
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -23,14 +25,12 @@ fn flag(name: &str) -> Option<String> {
 async fn main() {
     let deployments = flag("--deployments").map_or(1_000, |v| v.parse().expect("a number"));
     let rest = flag("--rest-seconds").map_or(300, |v| v.parse().expect("seconds"));
-    let datastore = match flag("--datastore").as_deref() {
-        None | Some("sqlite") => Datastore::Sqlite,
-        Some("postgres") => Datastore::Postgres,
-        Some(other) => {
-            eprintln!("--datastore {other}: sqlite or postgres");
+    let datastore = flag("--datastore").map_or(Datastore::Sqlite, |name| {
+        Datastore::parse(&name).unwrap_or_else(|| {
+            eprintln!("--datastore {name}: sqlite, sqlite-analyzed or postgres");
             std::process::exit(2);
-        }
-    };
+        })
+    });
     let report = common::scale::run(common::scale::Config {
         deployments,
         rest: Duration::from_secs(rest),

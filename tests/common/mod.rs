@@ -4,7 +4,7 @@
 //! ```text
 //!  Stack ── KubePlane ── etcd (loopback, temp data dir)
 //!        │           └── kube-apiserver (rcgen certs, RBAC, admin client cert → kubeconfig)
-//!        └── Spire ───── spire-server (SQLite, or PostgreSQL on request; join_token, admin UDS + TCP)
+//!        └── Spire ───── spire-server (SQLite, analyzed SQLite or PostgreSQL on request; join_token, admin UDS + TCP)
 //!                    └── spire-agent (join token, unix workload attestor, Workload API UDS)
 //! ```
 //! Every child runs in its own process group, is stopped by `Stack::stop` (or `Drop`), and is
@@ -22,6 +22,7 @@ pub mod registrar;
 pub mod sampler;
 pub mod scale;
 pub mod spire;
+pub mod sqlite;
 pub mod stack;
 pub mod views;
 pub mod world;

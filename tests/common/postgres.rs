@@ -12,8 +12,13 @@ use std::time::Duration;
 /// Where spire-server keeps its entries.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Datastore {
+    /// As SPIRE ships it.
     #[default]
     Sqlite,
+    /// SQLite with query-planner statistics written after SPIRE has made its tables (see
+    /// tests/testenv/sqlite-planner-statistics.sql): what `ANALYZE` on a populated datastore
+    /// gives an operator.
+    SqliteAnalyzed,
     Postgres,
 }
 
@@ -21,8 +26,15 @@ impl Datastore {
     pub fn name(self) -> &'static str {
         match self {
             Datastore::Sqlite => "sqlite",
+            Datastore::SqliteAnalyzed => "sqlite-analyzed",
             Datastore::Postgres => "postgres",
         }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        [Self::Sqlite, Self::SqliteAnalyzed, Self::Postgres]
+            .into_iter()
+            .find(|d| d.name() == name)
     }
 }
 

@@ -264,11 +264,14 @@ async fn raw_create_seconds(socket: &std::path::Path, count: usize) -> f64 {
     );
     let entries: Vec<Entry> = (0..count)
         .map(|i| {
+            // The registrar's shape: one parent, entries spread over the namespaces (SPIRE's
+            // duplicate check intersects the entries of each selector).
+            let namespace = format!("raw-{}", i % NAMESPACES);
             let selectors = vec![
-                Selector::new("k8s", "ns:raw"),
+                Selector::new("k8s", format!("ns:{namespace}")),
                 Selector::new("k8s", format!("sa:raw{i}")),
             ];
-            let spiffe_id = format!("spiffe://example.org/raw/{i}");
+            let spiffe_id = format!("spiffe://example.org/ns/{namespace}/sa/raw{i}");
             Entry {
                 id: ownership.entry_id(&spiffe_id, "spiffe://example.org/k8s/raw", &selectors),
                 spiffe_id,

@@ -18,6 +18,11 @@ pub struct SpireServer {
 }
 
 impl SpireServer {
+    /// The SQLite datastore's file (when it runs on SQLite).
+    pub fn sqlite_database(&self) -> PathBuf {
+        self.dir.join("data/datastore.sqlite3")
+    }
+
     pub fn start(dir: &Path) -> Self {
         Self::start_with(dir, None)
     }

@@ -43,6 +43,9 @@ impl Stack {
         let kube = KubePlane::start(dir.path());
         let postgres = (datastore == Datastore::Postgres).then(|| Postgres::start(dir.path()));
         let spire_server = SpireServer::start_with(dir.path(), postgres.as_ref());
+        if datastore == Datastore::SqliteAnalyzed {
+            super::sqlite::write_planner_statistics(&spire_server.sqlite_database());
+        }
         let spire_agent = SpireAgent::start(dir.path(), &spire_server);
         let stack = Self {
             kube,

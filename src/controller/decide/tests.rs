@@ -102,7 +102,7 @@ impl World {
             deployments,
             SaState::Needs {
                 policy: "p".into(),
-                entry: entry.clone(),
+                entry: entry.clone().into(),
             },
         );
         entry
@@ -146,7 +146,7 @@ impl World {
         for entry in &plan.delete {
             self.observed.remove(&entry.id);
         }
-        for entry in plan.create.iter().chain(&plan.update) {
+        for entry in plan.create.iter().map(|e| &**e).chain(&plan.update) {
             let mut stored = self.observed.get(&entry.id).cloned().unwrap_or_default();
             stored = Entry {
                 revision_number: stored.revision_number,
@@ -168,8 +168,13 @@ impl World {
     }
 }
 
-fn ids(entries: &[Entry]) -> Vec<&str> {
-    entries.iter().map(|e| e.id.as_str()).collect()
+fn ids<E: AsRef<Entry>>(entries: &[E]) -> Vec<&str> {
+    entries.iter().map(|e| e.as_ref().id.as_str()).collect()
+}
+
+/// The plan's creates, as plain entries.
+fn created(plan: &SpirePlan) -> Vec<Entry> {
+    plan.create.iter().map(|e| Entry::clone(e)).collect()
 }
 
 fn whys(plan: &SpirePlan) -> Vec<(&str, &'static str)> {
@@ -195,7 +200,7 @@ fn a_missing_entry_is_created_and_serves_its_service_account() {
     let mut w = World::new();
     let e = w.needs("a", "api", &["web", "worker"], "spiffe://td/p");
     let plan = w.decide(0);
-    assert_eq!(plan.create, vec![e.clone()]);
+    assert_eq!(created(&plan), vec![e.clone()]);
     assert_eq!(plan.serving[&sa("a", "api")], e.id);
 }
 
@@ -283,7 +288,7 @@ fn fixing_a_rejected_policy_creates_the_fixed_entry() {
         .insert(bad.id.clone(), (bad.clone(), "refused".into()));
     assert!(w.decide(0).create.is_empty());
     let good = w.needs("a", "api", &["web"], "spiffe://td/new");
-    assert_eq!(w.decide(1).create, vec![good]);
+    assert_eq!(created(&w.decide(1)), vec![good]);
 }
 
 #[test]
@@ -371,7 +376,7 @@ fn a_service_account_change_is_a_transition_not_an_orphan() {
     w.desired.service_accounts.clear();
     let new = w.needs("a", "new-sa", &["web"], "spiffe://td/p");
     let plan = w.decide(1);
-    assert_eq!(plan.create, vec![new.clone()]);
+    assert_eq!(created(&plan), vec![new.clone()]);
     assert!(plan.delete.is_empty());
     w.apply(&plan);
     assert!(w.decide(2).delete.is_empty());
@@ -655,7 +660,7 @@ fn a_forged_entry_id_is_corrected_and_pins_nothing() {
         "nothing runs as b/theirs: the annotation does not keep it"
     );
     let writes = w.writes(&plan, &Failures::new());
-    assert_eq!(writes[0].change.entry_id, Some(Some(e.id.clone())));
+    assert_eq!(writes[0].change.entry_id, Some(Some(e.id.as_str().into())));
 }
 
 #[test]
@@ -666,7 +671,7 @@ fn registration_is_announced_once() {
     w.apply(&plan);
     let writes = w.writes(&plan, &Failures::new());
     assert!(writes[0].registered);
-    assert_eq!(writes[0].change.entry_id, Some(Some(e.id.clone())));
+    assert_eq!(writes[0].change.entry_id, Some(Some(e.id.as_str().into())));
     assert_eq!(
         writes[0].announce.first().map(|a| a.reason),
         Some("Registered")
@@ -753,5 +758,38 @@ fn an_entry_of_ours_edited_behind_our_back_is_replaced() {
     w.in_spire(&tampered);
     let plan = w.decide(0);
     assert_eq!(plan.delete, vec![tampered]);
-    assert_eq!(plan.create, vec![e]);
+    assert_eq!(created(&plan), vec![e]);
+}
+
+#[test]
+fn a_failed_first_registration_is_counted_once_a_later_sync_sees_it_landed() {
+    let mut w = World::new();
+    let e = w.needs("a", "api", &["landed", "lost", "other"], "spiffe://td/p");
+    for (name, shown) in [
+        ("landed", Some(e.id.as_str())),
+        ("lost", None),
+        ("other", Some("sreg.c.someone-else")),
+    ] {
+        let workload = w.desired.workloads.get_mut(&dk("a", name)).expect("built");
+        workload.entry_id = shown.map(Into::into);
+    }
+    for name in ["landed", "lost", "other", "gone"] {
+        w.memory
+            .unconfirmed
+            .push((dk("a", name), e.id.as_str().into()));
+    }
+    let counted = w.memory.settle_registrations(&w.desired);
+    assert_eq!(
+        counted,
+        vec![Arc::<str>::from("a")],
+        "only the one that landed"
+    );
+    assert!(
+        w.memory.unconfirmed.is_empty(),
+        "the rest are written (and counted) again, or are gone"
+    );
+    assert!(
+        w.memory.settle_registrations(&w.desired).is_empty(),
+        "counted once"
+    );
 }
