@@ -146,13 +146,18 @@ async fn manifests_apply_and_their_rbac_is_enough_to_register() {
         p.status.filter(|s| s.entries == 1).map(|_| ())
     })
     .await;
-    let events = tokio::task::block_in_place(|| {
-        kubectl_ok(&stack, &["-n", "shop", "get", "events", "-o", "json"])
-    });
-    assert!(
-        events.contains("\"Registered\""),
-        "a Registered Event was published"
-    );
+    // Events are queued and paced: wait for it rather than reading once.
+    eventually(
+        "a Registered Event published",
+        Duration::from_secs(30),
+        || async {
+            let events = tokio::task::block_in_place(|| {
+                kubectl_ok(&stack, &["-n", "shop", "get", "events", "-o", "json"])
+            });
+            events.contains("\"Registered\"").then_some(())
+        },
+    )
+    .await;
     let log = registrar.process.log_tail(100_000);
     assert!(
         !log.contains("forbidden"),

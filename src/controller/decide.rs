@@ -22,6 +22,7 @@
 
 use super::desired::{DeploymentKey, Desired, SaKey, SaState};
 use super::record::MetadataChange;
+use super::writer::FailedWrite;
 use crate::spire::{Entry, ItemError, Ownership};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
@@ -80,9 +81,8 @@ pub struct Memory {
     /// A hash of the last note announced per (Deployment, reason), so an unchanged situation
     /// is not re-announced. A hash, not the note: this holds one slot per Deployment.
     announced: BTreeMap<(DeploymentKey, &'static str), u64>,
-    /// First registrations whose patch failed, with the entry ID it carried (see
-    /// `writer::Finished::unconfirmed`).
-    pub unconfirmed: Vec<(DeploymentKey, Arc<str>)>,
+    /// Writes whose patch failed, until the next sync settles them.
+    failed_writes: Vec<FailedWrite>,
 }
 
 impl Memory {
@@ -92,20 +92,39 @@ impl Memory {
         self.foreign.clear();
     }
 
-    /// Settles the registrations whose patch failed: those `desired` shows with the entry ID
-    /// the patch carried did land (their namespaces are returned, to be counted once). The
-    /// rest are forgotten: the Deployment still lacks its entry-id, so this sync writes it again
-    /// as a first registration, counted when that patch succeeds.
-    pub fn settle_registrations(&mut self, desired: &Desired) -> Vec<Arc<str>> {
-        std::mem::take(&mut self.unconfirmed)
+    /// Keeps writes whose patch failed until the next sync (`settle_failed_writes`). Their
+    /// announcements were never published: forgotten, so a retried write makes them again.
+    pub fn failed_writes(&mut self, failed: Vec<FailedWrite>) {
+        for write in &failed {
+            for announce in &write.announce {
+                self.announced.remove(&(write.key.clone(), announce.reason));
+            }
+        }
+        self.failed_writes.extend(failed);
+    }
+
+    /// Settles the writes whose patch failed, against a snapshot taken since. A first
+    /// registration that `desired` shows with the entry ID it carried did land: returned, to
+    /// be counted and its Events published once (no later write repeats them, as nothing is
+    /// left to change). The rest are forgotten: the Deployment still lacks the change, so this
+    /// sync writes it again, announced and counted when that patch succeeds.
+    pub fn settle_failed_writes(&mut self, desired: &Desired) -> Vec<FailedWrite> {
+        std::mem::take(&mut self.failed_writes)
             .into_iter()
-            .filter(|(key, entry_id)| {
-                desired
-                    .workloads
-                    .get(key)
-                    .is_some_and(|w| w.entry_id.as_deref() == Some(&**entry_id))
+            .filter(|write| {
+                write.registered.as_ref().is_some_and(|entry_id| {
+                    desired
+                        .workloads
+                        .get(&write.key)
+                        .is_some_and(|w| w.entry_id.as_deref() == Some(&**entry_id))
+                })
             })
-            .map(|(key, _)| key.namespace)
+            .inspect(|write| {
+                // Published now: not to be made again while the note is unchanged.
+                for announce in &write.announce {
+                    self.first_time(&write.key, announce);
+                }
+            })
             .collect()
     }
 

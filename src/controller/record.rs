@@ -167,18 +167,20 @@ pub fn event<K: Resource<DynamicType = ()>>(
     events.publish(object.object_ref(&()), warning, reason, note.into());
 }
 
-/// Patches one Deployment and queues its Events; true when the patch failed (retry).
+/// Patches one Deployment and queues its Events. When the patch failed (the sync is
+/// retried) its Events are handed back unpublished: they announce a change that may not be
+/// there.
 pub async fn write_workload(
     client: &Client,
     events: &EventSink,
     deployment: Arc<DeploymentRecord>,
     change: MetadataChange,
     announce: Vec<super::decide::Announce>,
-) -> bool {
+) -> Result<(), Vec<super::decide::Announce>> {
     if !change.is_empty() {
         match patch_metadata(client, &deployment, &change).await {
             Ok(_) => {}
-            Err(kube::Error::Api(status)) if status.code == 404 => return false,
+            Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
             // Timed out or cut mid-request: the patch may have landed. If it did, the next
             // sync finds nothing to write, so this is the last chance to count it.
             Err(error)
@@ -189,10 +191,20 @@ pub async fn write_workload(
             }
             Err(error) => {
                 tracing::warn!(deployment = %deployment.name, namespace = %deployment.namespace, %error, "patch failed (stale cache?); will retry");
-                return true;
+                return Err(announce);
             }
         }
     }
+    publish(events, &deployment, announce);
+    Ok(())
+}
+
+/// Queues `announce` as Events about `deployment`.
+pub fn publish(
+    events: &EventSink,
+    deployment: &DeploymentRecord,
+    announce: Vec<super::decide::Announce>,
+) {
     for announce in announce {
         events.publish(
             deployment.object_ref(),
@@ -201,7 +213,6 @@ pub async fn write_workload(
             announce.note,
         );
     }
-    false
 }
 
 #[cfg(test)]

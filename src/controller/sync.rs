@@ -5,10 +5,10 @@ use super::decide::{self, DecideSettings, Memory, SpirePlan};
 use super::desired::{self, Desired, NamespaceInfo, SaKey};
 use super::events::EventSink;
 use super::metrics::ControllerMetrics;
-use super::record::event;
+use super::record::{self, event};
 use super::status::{self, Outcome, confirm_command};
 use super::view::{ApplyReport, Drift, SpireView};
-use super::writer::WorkloadWriter;
+use super::writer::{WorkloadWriter, find};
 use crate::index::{DeploymentRecord, Index};
 use crate::leader::{Leadership, Term};
 use crate::names::{CONFIRM_DELETIONS_ANNOTATION, CRD_NAME};
@@ -358,11 +358,14 @@ impl<A: EntryApi> Controller<A> {
             debug!(entries = self.view.entries.len(), "refreshed SPIRE view");
         }
         let (desired, deployments, policies) = self.desired().await;
-        for namespace in self.memory.settle_registrations(&desired) {
+        for landed in self.memory.settle_failed_writes(&desired) {
             self.metrics
                 .registrations
-                .with_label_values(&[&*namespace])
+                .with_label_values(&[&*landed.key.namespace])
                 .inc();
+            if let Some(deployment) = find(&deployments, &landed.key) {
+                record::publish(&self.events, &deployment, landed.announce);
+            }
         }
         let mut plan = self.decide(&desired);
         if let Some(brake) = &plan.brake
@@ -415,7 +418,7 @@ impl<A: EntryApi> Controller<A> {
         );
         writer.spawn(&desired, writes);
         let finished = writer.finish().await;
-        self.memory.unconfirmed.extend(finished.unconfirmed);
+        self.memory.failed_writes(finished.failed);
         let patch_failed = finished.patch_failed;
         let outcome = Outcome {
             desired: &desired,

@@ -100,11 +100,7 @@ impl WorkloadWriter {
     }
 
     fn deployment(&self, key: &DeploymentKey) -> Option<Arc<DeploymentRecord>> {
-        let at = self
-            .deployments
-            .binary_search_by(|d| (&*d.namespace, &*d.name).cmp(&(&*key.namespace, &*key.name)))
-            .ok()?;
-        Some(self.deployments[at].clone())
+        find(&self.deployments, key)
     }
 
     fn count(&self, desired: &Desired, write: &WorkloadWrite) {
@@ -137,7 +133,7 @@ impl WorkloadWriter {
         drop(std::mem::replace(&mut self.queue, closed));
         let failed = Finished {
             patch_failed: true,
-            unconfirmed: Vec::new(),
+            failed: Vec::new(),
         };
         match self.driver.as_mut() {
             Some(driver) => driver.await.unwrap_or(failed),
@@ -151,20 +147,39 @@ impl WorkloadWriter {
 pub struct Finished {
     /// A patch failed: the sync is retried.
     pub patch_failed: bool,
-    /// First registrations whose patch failed, with the entry ID it carried. A patch can
-    /// time out and still land (an overloaded apiserver gives up on the request after
-    /// committing it, and reading it back at once can come too early); a later sync that
-    /// finds the Deployment showing that ID counts the registration then
-    /// (`decide::Memory::settle_registrations`).
-    pub unconfirmed: Vec<(DeploymentKey, Arc<str>)>,
+    /// The writes whose patch failed, with what they carried.
+    pub failed: Vec<FailedWrite>,
+}
+
+/// A write whose patch failed. Its outcome can still be that it landed: an overloaded
+/// apiserver gives up on a request after committing it, and reading it back at once can come
+/// too early. A later sync settles it (`decide::Memory::settle_failed_writes`).
+#[derive(Debug)]
+pub struct FailedWrite {
+    pub key: DeploymentKey,
+    /// The entry ID a first registration carried (counted if it turns out to have landed).
+    pub registered: Option<Arc<str>>,
+    /// Its Events, not published.
+    pub announce: Vec<super::decide::Announce>,
 }
 
 impl Finished {
     fn absorb(mut self, other: Finished) -> Finished {
         self.patch_failed |= other.patch_failed;
-        self.unconfirmed.extend(other.unconfirmed);
+        self.failed.extend(other.failed);
         self
     }
+}
+
+/// `key`'s record in a snapshot sorted `by_key`.
+pub fn find(
+    snapshot: &[Arc<DeploymentRecord>],
+    key: &DeploymentKey,
+) -> Option<Arc<DeploymentRecord>> {
+    let at = snapshot
+        .binary_search_by(|d| (&*d.namespace, &*d.name).cmp(&(&*key.namespace, &*key.name)))
+        .ok()?;
+    Some(snapshot[at].clone())
 }
 
 /// The order `WorkloadWriter::new` expects its snapshot in.
@@ -190,23 +205,26 @@ async fn drive(client: Client, events: EventSink, jobs: mpsc::UnboundedReceiver<
                     namespace = %deployment.namespace
                 );
                 let entry_id = write.change.entry_id.clone().flatten();
-                let key = write.key;
-                let failed =
+                let written =
                     write_workload(client, events, deployment, write.change, write.announce)
                         .instrument(span)
                         .await;
-                let mut outcome = Finished {
-                    patch_failed: failed,
-                    unconfirmed: Vec::new(),
-                };
-                if write.registered {
-                    match (failed, entry_id) {
-                        (false, _) => registrations.inc(),
-                        (true, Some(entry_id)) => outcome.unconfirmed.push((key, entry_id)),
-                        (true, None) => {}
+                match written {
+                    Ok(()) => {
+                        if write.registered {
+                            registrations.inc();
+                        }
+                        Finished::default()
                     }
+                    Err(announce) => Finished {
+                        patch_failed: true,
+                        failed: vec![FailedWrite {
+                            key: write.key,
+                            registered: entry_id.filter(|_| write.registered),
+                            announce,
+                        }],
+                    },
                 }
-                outcome
             }
         })
         .buffer_unordered(PATCH_CONCURRENCY)

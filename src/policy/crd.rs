@@ -199,7 +199,7 @@ pub struct SpiffeRegistrationStatus {
 }
 
 /// The CRD as YAML, exactly as committed under manifests/ (a test checks they match).
-pub fn yaml() -> Result<String, serde_yaml::Error> {
+pub fn yaml() -> Result<String, serde_norway::Error> {
     use kube::CustomResourceExt;
-    serde_yaml::to_string(&SpiffeRegistration::crd())
+    serde_norway::to_string(&SpiffeRegistration::crd())
 }

@@ -42,7 +42,7 @@ pub async fn install_crd(client: &Client) {
     ))
     .expect("manifests/base/crd.yaml must exist");
     let crd: CustomResourceDefinition =
-        serde_yaml::from_str(&yaml).expect("the CRD YAML must parse");
+        serde_norway::from_str(&yaml).expect("the CRD YAML must parse");
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     let name = crd.metadata.name.clone().expect("the CRD has a name");
     api.patch(

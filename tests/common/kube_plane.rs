@@ -192,6 +192,9 @@ fn start_etcd(dir: &Path) -> (ManagedProcess, String) {
         format!("--initial-cluster=default={peer_url}"),
         // Test data is thrown away; fsync only costs time.
         "--unsafe-no-fsync=true".into(),
+        // 50,000 Deployments with their ReplicaSets and Pods outgrow etcd's default 2 GiB
+        // quota ("mvcc: database space exceeded"); 8 GiB is etcd's suggested maximum.
+        "--quota-backend-bytes=8589934592".into(),
     ]);
     let mut etcd = ManagedProcess::spawn("etcd", command, dir);
     wait_until("etcd /health", Duration::from_secs(30), || {

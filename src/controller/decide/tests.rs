@@ -762,7 +762,8 @@ fn an_entry_of_ours_edited_behind_our_back_is_replaced() {
 }
 
 #[test]
-fn a_failed_first_registration_is_counted_once_a_later_sync_sees_it_landed() {
+fn a_failed_write_is_counted_and_announced_once_if_a_later_sync_sees_it_landed() {
+    use crate::controller::writer::FailedWrite;
     let mut w = World::new();
     let e = w.needs("a", "api", &["landed", "lost", "other"], "spiffe://td/p");
     for (name, shown) in [
@@ -773,23 +774,32 @@ fn a_failed_first_registration_is_counted_once_a_later_sync_sees_it_landed() {
         let workload = w.desired.workloads.get_mut(&dk("a", name)).expect("built");
         workload.entry_id = shown.map(Into::into);
     }
-    for name in ["landed", "lost", "other", "gone"] {
-        w.memory
-            .unconfirmed
-            .push((dk("a", name), e.id.as_str().into()));
+    let registered = Announce::normal("Registered", format!("entry {}", e.id));
+    let failed = |name: &str| FailedWrite {
+        key: dk("a", name),
+        registered: Some(e.id.as_str().into()),
+        announce: vec![registered.clone()],
+    };
+    // The announcements were made (remembered) when the writes were computed.
+    for name in ["landed", "lost"] {
+        assert!(w.memory.first_time(&dk("a", name), &registered));
     }
-    let counted = w.memory.settle_registrations(&w.desired);
-    assert_eq!(
-        counted,
-        vec![Arc::<str>::from("a")],
-        "only the one that landed"
+    w.memory
+        .failed_writes(["landed", "lost", "other", "gone"].map(failed).into());
+    assert!(
+        w.memory.first_time(&dk("a", "lost"), &registered),
+        "an unpublished announcement is made again by the retried write"
+    );
+    let landed = w.memory.settle_failed_writes(&w.desired);
+    let keys: Vec<_> = landed.iter().map(|f| f.key.clone()).collect();
+    assert_eq!(keys, vec![dk("a", "landed")], "only the one that landed");
+    assert_eq!(landed[0].announce, vec![registered.clone()]);
+    assert!(
+        !w.memory.first_time(&dk("a", "landed"), &registered),
+        "published with the settlement: not again"
     );
     assert!(
-        w.memory.unconfirmed.is_empty(),
-        "the rest are written (and counted) again, or are gone"
-    );
-    assert!(
-        w.memory.settle_registrations(&w.desired).is_empty(),
-        "counted once"
+        w.memory.settle_failed_writes(&w.desired).is_empty(),
+        "settled once"
     );
 }
