@@ -8,8 +8,8 @@ use super::metrics::ControllerMetrics;
 use super::record::{self, event};
 use super::status::{self, Outcome, confirm_command};
 use super::view::{ApplyReport, Drift, SpireView};
-use super::writer::{WorkloadWriter, find};
-use crate::index::{DeploymentRecord, Index};
+use super::writer::WorkloadWriter;
+use crate::index::Index;
 use crate::leader::{Leadership, Term};
 use crate::names::{CONFIRM_DELETIONS_ANNOTATION, CRD_NAME};
 use crate::policy::{OptIn, SpiffeRegistration};
@@ -357,13 +357,14 @@ impl<A: EntryApi> Controller<A> {
             self.memory.forget_spire_answers();
             debug!(entries = self.view.entries.len(), "refreshed SPIRE view");
         }
-        let (desired, deployments, policies) = self.desired().await;
+        let (desired, policies) = self.desired().await;
         for landed in self.memory.settle_failed_writes(&desired) {
             self.metrics
                 .registrations
                 .with_label_values(&[&*landed.key.namespace])
                 .inc();
-            if let Some(deployment) = find(&deployments, &landed.key) {
+            let key = &landed.key;
+            if let Some(deployment) = self.index.deployments.get(&key.namespace, &key.name) {
                 record::publish(&self.events, &deployment, landed.announce);
             }
         }
@@ -377,7 +378,7 @@ impl<A: EntryApi> Controller<A> {
             self.client.clone(),
             self.events.clone(),
             self.metrics.clone(),
-            deployments,
+            self.index.deployments.clone(),
         );
         let report = if plan.writes() == 0 {
             ApplyReport::default()
@@ -417,9 +418,9 @@ impl<A: EntryApi> Controller<A> {
             None,
         );
         writer.spawn(&desired, writes);
-        let finished = writer.finish().await;
-        self.memory.failed_writes(finished.failed);
-        let patch_failed = finished.patch_failed;
+        // Policy status does not depend on how the patches fare: written while they drain,
+        // and desired state and the plan are dropped before the wait (a first sync's patches
+        // take minutes at 50,000 Deployments).
         let outcome = Outcome {
             desired: &desired,
             plan: &plan,
@@ -431,6 +432,11 @@ impl<A: EntryApi> Controller<A> {
             .map(|p| (p.clone(), status::compute(p, &outcome)))
             .collect();
         self.record_policies(&desired, &plan, statuses).await;
+        let recheck = plan.recheck;
+        drop((desired, plan));
+        let finished = writer.finish().await;
+        self.memory.failed_writes(finished.failed);
+        let patch_failed = finished.patch_failed;
         self.metrics
             .reconcile
             .observe(started.elapsed().as_secs_f64());
@@ -439,9 +445,7 @@ impl<A: EntryApi> Controller<A> {
         } else if learned_foreign && self.settings.decide.adopt {
             Next::RetryAfter(Duration::ZERO)
         } else {
-            Next::Idle {
-                recheck: plan.recheck,
-            }
+            Next::Idle { recheck }
         }
     }
 
@@ -693,18 +697,13 @@ fn failpoint(name: &str) -> bool {
 }
 
 /// The desired state, and the cache contents it was derived from.
-type Snapshot = (
-    Desired,
-    Arc<[Arc<DeploymentRecord>]>,
-    Vec<Arc<SpiffeRegistration>>,
-);
+/// Desired state and the policies it was derived from. The Deployment records it was derived
+/// from are not kept: writes read the cache as it is when they are sent.
+type Snapshot = (Desired, Vec<Arc<SpiffeRegistration>>);
 
 /// The caches' current contents and the desired state derived from them.
 fn snapshot(settings: &ControllerSettings, index: &Index) -> Snapshot {
-    let mut deployments = index.deployments.state();
-    // The writer looks Deployments up in this snapshot by key.
-    deployments.sort_unstable_by(super::writer::by_key);
-    let deployments: Arc<[_]> = deployments.into();
+    let deployments = index.deployments.state();
     let policies = index.policies.state();
     let namespaces = |ns: &str| -> Option<NamespaceInfo> { index.namespace_info(ns) };
     let desired = desired::compute(
@@ -714,7 +713,7 @@ fn snapshot(settings: &ControllerSettings, index: &Index) -> Snapshot {
         &namespaces,
         &policies,
     );
-    (desired, deployments, policies)
+    (desired, policies)
 }
 
 /// Desired state and the decision a fresh leader would take now, for `spiffe-registrar plan`.
@@ -723,7 +722,7 @@ pub fn plan_against(
     index: &Index,
     observed: &BTreeMap<String, crate::spire::Entry>,
 ) -> (Desired, SpirePlan) {
-    let (desired, _, _) = snapshot(settings, index);
+    let (desired, _) = snapshot(settings, index);
     let input = decide::Input {
         ownership: &settings.ownership,
         settings: &settings.decide,

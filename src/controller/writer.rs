@@ -9,7 +9,7 @@ use super::desired::{DeploymentKey, Desired};
 use super::events::EventSink;
 use super::metrics::ControllerMetrics;
 use super::record::write_workload;
-use crate::index::DeploymentRecord;
+use crate::index::{DeploymentRecord, DeploymentStore};
 use futures::StreamExt;
 use kube::Client;
 use prometheus::IntCounter;
@@ -26,10 +26,6 @@ const PATCH_CONCURRENCY: usize = 16;
 
 pub struct WorkloadWriter {
     metrics: ControllerMetrics,
-    /// The cached objects the writes are computed against (patches test what they rely on),
-    /// sorted by namespace and name: the sync's snapshot itself, not a map of it (a map
-    /// cost ~50 bytes per Deployment for the whole sync).
-    deployments: Arc<[Arc<DeploymentRecord>]>,
     /// Deployments already handed a write this sync: a later, wider pass computed from the
     /// same cache would only repeat it.
     written: HashSet<DeploymentKey>,
@@ -49,8 +45,12 @@ impl Drop for WorkloadWriter {
 
 /// One queued write.
 struct Job {
-    deployment: Arc<DeploymentRecord>,
     write: WorkloadWrite,
+    /// What the decision assumed of the Deployment. The patch is computed against the cache
+    /// as it is when sent; if the Deployment moved to another service account or started
+    /// deleting since, the write is stale and handled like a failed `test`: retried by a
+    /// sync that sees the change.
+    basis: Basis,
     /// `spiffe_registration_total{namespace}`, counted once the entry-id is on the object.
     registrations: IntCounter,
 }
@@ -60,16 +60,15 @@ impl WorkloadWriter {
         client: Client,
         events: EventSink,
         metrics: ControllerMetrics,
-        deployments: Arc<[Arc<DeploymentRecord>]>,
+        deployments: DeploymentStore,
     ) -> Self {
-        debug_assert!(deployments.is_sorted_by(|a, b| by_key(a, b).is_le()));
         let (queue, jobs) = mpsc::unbounded_channel();
         let driver = tokio::spawn(
-            drive(client, events, jobs).instrument(tracing::info_span!("workload_writer")),
+            drive(client, events, deployments, jobs)
+                .instrument(tracing::info_span!("workload_writer")),
         );
         Self {
             metrics,
-            deployments,
             written: HashSet::new(),
             queue,
             driver: Some(driver),
@@ -82,25 +81,19 @@ impl WorkloadWriter {
             if !self.written.insert(write.key.clone()) {
                 continue;
             }
-            let Some(deployment) = self.deployment(&write.key) else {
-                continue;
-            };
             self.count(desired, &write);
             let registrations = self
                 .metrics
                 .registrations
                 .with_label_values(&[&*write.key.namespace]);
             // The driver lives until `finish` drops the queue, so this cannot fail.
+            let basis = Basis::of(desired, &write.key);
             let _ = self.queue.send(Job {
-                deployment,
                 write,
+                basis,
                 registrations,
             });
         }
-    }
-
-    fn deployment(&self, key: &DeploymentKey) -> Option<Arc<DeploymentRecord>> {
-        find(&self.deployments, key)
     }
 
     fn count(&self, desired: &Desired, write: &WorkloadWrite) {
@@ -169,42 +162,84 @@ impl Finished {
         self.failed.extend(other.failed);
         self
     }
+
+    /// A write that did not land: the sync is retried, the Events kept for the retry.
+    fn failed(failed: FailedWrite) -> Finished {
+        Finished {
+            patch_failed: true,
+            failed: vec![failed],
+        }
+    }
 }
 
-/// `key`'s record in a snapshot sorted `by_key`.
-pub fn find(
-    snapshot: &[Arc<DeploymentRecord>],
-    key: &DeploymentKey,
-) -> Option<Arc<DeploymentRecord>> {
-    let at = snapshot
-        .binary_search_by(|d| (&*d.namespace, &*d.name).cmp(&(&*key.namespace, &*key.name)))
-        .ok()?;
-    Some(snapshot[at].clone())
+/// The facts about a Deployment that a write was decided on.
+#[derive(Debug, Default)]
+struct Basis {
+    service_account: Option<Arc<str>>,
+    deleting: bool,
 }
 
-/// The order `WorkloadWriter::new` expects its snapshot in.
-pub fn by_key(a: &Arc<DeploymentRecord>, b: &Arc<DeploymentRecord>) -> std::cmp::Ordering {
-    (&*a.namespace, &*a.name).cmp(&(&*b.namespace, &*b.name))
+impl Basis {
+    fn of(desired: &Desired, key: &DeploymentKey) -> Self {
+        desired
+            .workloads
+            .get(key)
+            .map(|workload| Basis {
+                service_account: Some(workload.service_account.service_account.clone()),
+                deleting: workload.deleting,
+            })
+            .unwrap_or_default()
+    }
+
+    /// Whether `deployment` as now cached is still what the write was decided on.
+    fn holds_for(&self, deployment: &DeploymentRecord) -> bool {
+        let same_account = self
+            .service_account
+            .as_ref()
+            .is_none_or(|sa| *sa == deployment.service_account);
+        same_account && (self.deleting || !deployment.deleting)
+    }
 }
 
-/// Runs queued writes, at most `PATCH_CONCURRENCY` at once.
-async fn drive(client: Client, events: EventSink, jobs: mpsc::UnboundedReceiver<Job>) -> Finished {
+/// Runs queued writes, at most `PATCH_CONCURRENCY` at once. Each patch is computed against
+/// the Deployment as cached when it is sent (its guards test what it relies on), not against
+/// the sync's snapshot: holding the snapshot for the minutes a first sync's patches take kept
+/// every record twice, the snapshot's and the one each patch's own watch event replaced it with.
+async fn drive(
+    client: Client,
+    events: EventSink,
+    deployments: DeploymentStore,
+    jobs: mpsc::UnboundedReceiver<Job>,
+) -> Finished {
     let mut jobs = jobs;
     futures::stream::poll_fn(move |cx| jobs.poll_recv(cx))
         .map(|job| {
-            let (client, events) = (&client, &events);
+            let (client, events, deployments) = (&client, &events, &deployments);
             async move {
                 let Job {
-                    deployment,
                     write,
+                    basis,
                     registrations,
                 } = job;
+                // Gone from the cache: deleted, nothing left to write.
+                let Some(deployment) = deployments.get(&write.key.namespace, &write.key.name)
+                else {
+                    return Finished::default();
+                };
+                let entry_id = write.change.entry_id.clone().flatten();
+                if !basis.holds_for(&deployment) {
+                    tracing::debug!(deployment = %deployment.name, namespace = %deployment.namespace, "changed since the sync decided; will retry");
+                    return Finished::failed(FailedWrite {
+                        registered: entry_id.filter(|_| write.registered),
+                        key: write.key,
+                        announce: write.announce,
+                    });
+                }
                 let span = tracing::debug_span!(
                     "write",
                     deployment = %deployment.name,
                     namespace = %deployment.namespace
                 );
-                let entry_id = write.change.entry_id.clone().flatten();
                 let written =
                     write_workload(client, events, deployment, write.change, write.announce)
                         .instrument(span)
@@ -216,14 +251,11 @@ async fn drive(client: Client, events: EventSink, jobs: mpsc::UnboundedReceiver<
                         }
                         Finished::default()
                     }
-                    Err(announce) => Finished {
-                        patch_failed: true,
-                        failed: vec![FailedWrite {
-                            key: write.key,
-                            registered: entry_id.filter(|_| write.registered),
-                            announce,
-                        }],
-                    },
+                    Err(announce) => Finished::failed(FailedWrite {
+                        key: write.key,
+                        registered: entry_id.filter(|_| write.registered),
+                        announce,
+                    }),
                 }
             }
         })
@@ -233,4 +265,37 @@ async fn drive(client: Client, events: EventSink, jobs: mpsc::UnboundedReceiver<
             |all, this| async move { all.absorb(this) },
         )
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::testing::mk_deployment;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    fn basis(service_account: &str, deleting: bool) -> Basis {
+        Basis {
+            service_account: Some(service_account.into()),
+            deleting,
+        }
+    }
+
+    #[test]
+    fn a_write_is_stale_once_the_deployment_moved_account_or_started_deleting() {
+        let plain = DeploymentRecord::from(&mk_deployment("ns", "web", Some("api"), &[]));
+        let mut deleting = mk_deployment("ns", "web", Some("api"), &[]);
+        deleting.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::now()));
+        let deleting = DeploymentRecord::from(&deleting);
+        for (basis, record, holds) in [
+            (basis("api", false), &plain, true),
+            (basis("other", false), &plain, false),
+            (basis("api", false), &deleting, false),
+            (basis("api", true), &deleting, true),
+            // A Deployment the sync did not know (no write is made for one): its account is
+            // not checked.
+            (Basis::default(), &plain, true),
+        ] {
+            assert_eq!(basis.holds_for(record), holds, "{basis:?}");
+        }
+    }
 }
