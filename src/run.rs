@@ -20,7 +20,6 @@ use futures::FutureExt;
 use k8s_openapi::api::authentication::v1::SelfSubjectReview;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::PostParams;
-use prometheus::Registry;
 use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
@@ -93,9 +92,8 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     let client = kube::Client::try_default().await?;
     let ownership = ownership(&settings, &client).await?;
     let registrar_user = registrar_user(&client).await;
-    let registry = Registry::new();
-    registry.register(Box::new(crate::telemetry::heap::HeapCollector::new()?))?;
-    registry.register(Box::new(crate::telemetry::kube_writes().clone()))?;
+    let registry = crate::telemetry::new_registry();
+    crate::telemetry::register_process_metrics(&registry)?;
     let readiness = Arc::new(Readiness::default());
     let mut tasks = Supervisor::default();
 

@@ -123,6 +123,104 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
         .into_response()
 }
 
+/// Every metric we export is named `spiffe_registrar_<name>`: the dashboard and alerts in
+/// `manifests/monitoring` select on these names alone, with no job label to configure.
+pub const METRIC_NAMESPACE: &str = "spiffe_registrar";
+
+/// The registry `/metrics` serves, with our namespace on every name.
+pub fn new_registry() -> Registry {
+    Registry::new_custom(Some(METRIC_NAMESPACE.to_string()), None)
+        .expect("a constant, valid metric namespace")
+}
+
+/// `webhook_certificate_expiry_timestamp_seconds`: when the serving certificate now loaded
+/// expires (Unix seconds), set on every load. Alerted on well before it matters (renewal
+/// happens after 2/3 of the lifetime).
+pub fn serving_cert_expiry() -> &'static prometheus::Gauge {
+    static EXPIRY: std::sync::LazyLock<prometheus::Gauge> = std::sync::LazyLock::new(|| {
+        prometheus::Gauge::new(
+            "webhook_certificate_expiry_timestamp_seconds",
+            "Unix time at which the webhook serving certificate being served expires",
+        )
+        .expect("valid metric")
+    });
+    &EXPIRY
+}
+
+/// Registers everything `/metrics` serves that is not owned by one component: heap, Kubernetes
+/// writes, the serving certificate's expiry.
+pub fn register_process_metrics(registry: &Registry) -> Result<(), prometheus::Error> {
+    registry.register(Box::new(heap::HeapCollector::new()?))?;
+    registry.register(Box::new(kube_writes().clone()))?;
+    registry.register(Box::new(serving_cert_expiry().clone()))?;
+    Ok(())
+}
+
+/// The full name of every metric the binary exports, vectors included (a vector with no
+/// labelled child yet is absent from a scrape, so a scrape cannot answer this). The
+/// monitoring test checks every name a dashboard panel or an alert queries against it.
+pub fn exported_metric_names() -> Vec<String> {
+    use prometheus::core::Collector;
+    let registry = Registry::new();
+    let crate::controller::metrics::ControllerMetrics {
+        registrations,
+        errors,
+        reconcile,
+        entries,
+        admission_to_registered,
+        pending_deletions,
+        deletion_brake,
+        rejected,
+        foreign,
+        derive,
+        events_dropped,
+        leader,
+        spire_reachable,
+        last_success,
+        drift_checks,
+    } = crate::controller::metrics::ControllerMetrics::register(&registry)
+        .expect("a fresh registry accepts our metrics");
+    let crate::spire::metrics::SpireMetrics {
+        call_duration,
+        entries: spire_entries,
+    } = crate::spire::metrics::SpireMetrics::register(&registry).expect("likewise");
+    let crate::webhook::metrics::WebhookMetrics { requests, duration } =
+        crate::webhook::metrics::WebhookMetrics::register(&registry).expect("likewise");
+    let heap = heap::HeapCollector::new().expect("likewise");
+    let collectors: Vec<&dyn Collector> = vec![
+        &registrations,
+        &errors,
+        &reconcile,
+        &entries,
+        &admission_to_registered,
+        &pending_deletions,
+        &deletion_brake,
+        &rejected,
+        &foreign,
+        &derive,
+        &events_dropped,
+        &leader,
+        &spire_reachable,
+        &last_success,
+        &drift_checks,
+        &call_duration,
+        &spire_entries,
+        &requests,
+        &duration,
+        &heap,
+        kube_writes(),
+        serving_cert_expiry(),
+    ];
+    let mut names: Vec<String> = collectors
+        .iter()
+        .flat_map(|collector| collector.desc())
+        .map(|desc| format!("{METRIC_NAMESPACE}_{}", desc.fq_name))
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
 /// `kube_write_duration_seconds{verb,resource,result}`: every write we make to the apiserver
 /// (patches, status, Events, the Lease), so latency and errors show by kind of write.
 pub fn kube_writes() -> &'static prometheus::HistogramVec {

@@ -6,9 +6,9 @@ use prometheus::{
 
 #[derive(Clone)]
 pub struct ControllerMetrics {
-    /// `spiffe_registration_total{namespace}`: Deployments registered (first entry-id recorded).
+    /// `registrations_total{namespace}`: Deployments registered (first entry-id recorded).
     pub registrations: IntCounterVec,
-    /// `spiffe_registration_errors_total{namespace}`: failed registrations, per sync and Deployment.
+    /// `registration_errors_total{namespace}`: failed registrations, per sync and Deployment.
     pub errors: IntCounterVec,
     /// `reconcile_duration_seconds`: one sync, list to status.
     pub reconcile: Histogram,
@@ -47,15 +47,12 @@ pub struct ControllerMetrics {
 impl ControllerMetrics {
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
         let registrations = IntCounterVec::new(
-            Opts::new(
-                "spiffe_registration_total",
-                "Deployments registered in SPIRE",
-            ),
+            Opts::new("registrations_total", "Deployments registered in SPIRE"),
             &["namespace"],
         )?;
         let errors = IntCounterVec::new(
             Opts::new(
-                "spiffe_registration_errors_total",
+                "registration_errors_total",
                 "Deployments whose registration failed in a sync",
             ),
             &["namespace"],

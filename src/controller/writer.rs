@@ -51,7 +51,7 @@ struct Job {
     /// deleting since, the write is stale and handled like a failed `test`: retried by a
     /// sync that sees the change.
     basis: Basis,
-    /// `spiffe_registration_total{namespace}`, counted once the entry-id is on the object.
+    /// `registrations_total{namespace}`, counted once the entry-id is on the object.
     registrations: IntCounter,
 }
 

@@ -51,20 +51,36 @@ pub struct ReloadableCert {
     current: RwLock<Arc<CertifiedKey>>,
 }
 
+/// The leaf's notAfter, in Unix seconds.
+pub fn not_after(leaf_der: &[u8]) -> Option<i64> {
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf_der).ok()?;
+    Some(cert.validity().not_after.timestamp())
+}
+
+/// Publishes the served leaf's expiry (`webhook_certificate_expiry_timestamp_seconds`).
+fn publish_expiry(certified: &CertifiedKey) {
+    if let Some(expiry) = certified.cert.first().and_then(|leaf| not_after(leaf)) {
+        crate::telemetry::serving_cert_expiry().set(expiry as f64);
+    }
+}
+
 impl ReloadableCert {
     pub fn new(cert_pem: &[u8], key_pem: &[u8]) -> Result<Self, TlsError> {
+        let certified = certified_key(cert_pem, key_pem)?;
+        publish_expiry(&certified);
         Ok(Self {
-            current: RwLock::new(Arc::new(certified_key(cert_pem, key_pem)?)),
+            current: RwLock::new(Arc::new(certified)),
         })
     }
 
     /// Serves `cert_pem`/`key_pem` from the next handshake on; on error the old pair stays.
     pub fn replace(&self, cert_pem: &[u8], key_pem: &[u8]) -> Result<(), TlsError> {
-        let next = Arc::new(certified_key(cert_pem, key_pem)?);
+        let next = certified_key(cert_pem, key_pem)?;
+        publish_expiry(&next);
         *self
             .current
             .write()
-            .expect("cert lock must not be poisoned") = next;
+            .expect("cert lock must not be poisoned") = Arc::new(next);
         Ok(())
     }
 

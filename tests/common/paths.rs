@@ -38,6 +38,16 @@ pub fn spire_bin() -> PathBuf {
     cache_root().join(format!("spire-{}/bin", pinned("SPIRE_VERSION")))
 }
 
+/// Directory holding `helm`.
+pub fn helm_bin() -> PathBuf {
+    cache_root().join(format!("helm-{}/bin", pinned("HELM_VERSION")))
+}
+
+/// Directory holding `promtool`.
+pub fn promtool_bin() -> PathBuf {
+    cache_root().join(format!("promtool-{}/bin", pinned("PROMETHEUS_VERSION")))
+}
+
 /// A binary from the cache, with a message naming the script that builds it when it is missing.
 pub fn binary(dir: PathBuf, name: &str) -> PathBuf {
     let path = dir.join(name);

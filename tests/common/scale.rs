@@ -404,7 +404,7 @@ pub async fn run(config: Config) -> Value {
     let pid = registrar.process.pgid();
     let registered = |n: usize| {
         let registrar = &registrar;
-        async move || registrar.metric("spiffe_registration_total", &[]) >= n as f64
+        async move || registrar.metric("registrations_total", &[]) >= n as f64
     };
     let entries_s = until("every entry", started, async || {
         count_ours(&socket).await == service_accounts as i32

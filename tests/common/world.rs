@@ -202,7 +202,10 @@ pub async fn events(client: &Client, ns: &str, name: &str, reason: &str) -> Vec<
 
 impl Registrar {
     /// The sum of every series of metric `name` whose labels include `labels`.
+    /// The sum of metric `name` (without the exported `spiffe_registrar_` namespace) over the
+    /// series carrying `labels`.
     pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let name = format!("{}_{name}", spiffe_registrar::telemetry::METRIC_NAMESPACE);
         let text = http_get(self.admin_port, "/metrics").unwrap_or_default();
         text.lines()
             .filter(|line| !line.starts_with('#'))

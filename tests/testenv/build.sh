@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the real peers the tests run against (etcd, kube-apiserver, kube-controller-manager,
-# kubectl, spire-server, spire-agent) from Go modules at the versions in versions.env, into a cache outside the repo.
+# kubectl, spire-server, spire-agent) and the tools the chart and monitoring tests use (helm,
+# promtool) from Go modules at the versions in versions.env, into a cache outside the repo.
 # Whatever is already cached is not rebuilt. Prints the bin directories on the last lines.
 #
 #   SPIFFE_REGISTRAR_TESTENV  cache root (default ~/.cache/spiffe-registrar/testenv)
@@ -71,5 +72,24 @@ else
     github.com/spiffe/spire/cmd/spire-server github.com/spiffe/spire/cmd/spire-agent
 fi
 
+# A single-binary Go tool, cached under its own versioned directory: build_tool BIN_DIR NAME
+# MODULE_DIR VERSION LDFLAGS PACKAGE.
+build_tool() {
+  local bin_dir=$1 name=$2 module_dir=$3 version=$4 ldflags=$5 package=$6
+  if [[ -x "$bin_dir/$name" ]]; then
+    log "cached: $bin_dir"
+  else
+    log "building $name $version"
+    build_into "$(dirname "$bin_dir")" "$module_dir" 0 "$ldflags" "$package"
+  fi
+}
+
+build_tool "$HELM_BIN" helm "$here/go/helm" "$HELM_VERSION" \
+  "-s -w -X helm.sh/helm/v4/internal/version.version=${HELM_VERSION}" helm.sh/helm/v4/cmd/helm
+build_tool "$PROMTOOL_BIN" promtool "$here/go/promtool" "$PROMETHEUS_VERSION" \
+  "-s -w" github.com/prometheus/prometheus/cmd/promtool
+
 echo "KUBE_BIN=$KUBE_BIN"
 echo "SPIRE_BIN=$SPIRE_BIN"
+echo "HELM_BIN=$HELM_BIN"
+echo "PROMTOOL_BIN=$PROMTOOL_BIN"

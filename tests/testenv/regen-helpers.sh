@@ -27,11 +27,19 @@ rm -f "$kube_dir/go.mod" "$kube_dir/go.sum"
   go mod tidy
 )
 
-spire_dir="$here/go/spire"
-rm -f "$spire_dir/go.mod" "$spire_dir/go.sum"
-( cd "$spire_dir"
-  go mod init spiffe-registrar.test/testenv/spire >/dev/null
-  go get -tool "github.com/spiffe/spire/cmd/spire-server@${SPIRE_VERSION}"
-  go get -tool "github.com/spiffe/spire/cmd/spire-agent@${SPIRE_VERSION}"
-  go mod tidy
-)
+# A helper module whose only content is `tool` requirements: tool_module NAME PACKAGE@VERSION...
+tool_module() {
+  local name=$1; shift
+  local dir="$here/go/$name"
+  rm -f "$dir/go.mod" "$dir/go.sum"
+  ( cd "$dir"
+    go mod init "spiffe-registrar.test/testenv/$name" >/dev/null
+    for tool in "$@"; do go get -tool "$tool"; done
+    go mod tidy
+  )
+}
+
+tool_module spire "github.com/spiffe/spire/cmd/spire-server@${SPIRE_VERSION}" \
+  "github.com/spiffe/spire/cmd/spire-agent@${SPIRE_VERSION}"
+tool_module helm "helm.sh/helm/v4/cmd/helm@${HELM_VERSION}"
+tool_module promtool "github.com/prometheus/prometheus/cmd/promtool@${PROMETHEUS_VERSION}"
