@@ -13,20 +13,8 @@ use std::time::Duration;
 
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
-    /// Name of this cluster; part of every entry ID and of the entry hint, so several clusters
-    /// can share one SPIRE server. Lowercase letters, digits and '-'. Default: derived from the
-    /// kube-system namespace's UID (`k-<12 hex digits>`), unique per cluster.
-    #[arg(long, env = "REGISTRAR_CLUSTER_NAME")]
-    pub cluster_name: Option<String>,
-
-    /// Earlier cluster names (repeatable): their entries are migrated to this name in place
-    /// (no gap) while needed and deleted when not. Only list names no other cluster still uses.
-    #[arg(
-        long = "previous-cluster-name",
-        env = "REGISTRAR_PREVIOUS_CLUSTER_NAMES",
-        value_delimiter = ','
-    )]
-    pub previous_cluster_names: Vec<String>,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
 
     /// How long a replaced entry outlives its replacement's appearance in SPIRE: agents pick
     /// up entries within two 5 s sync periods (server cache, agent sync), and workloads get
@@ -118,26 +106,8 @@ pub struct RunArgs {
     #[arg(long, env = "REGISTRAR_SERVING_CERT_VALIDITY", default_value = "2160h", value_parser = parse_duration)]
     pub serving_cert_validity: Duration,
 
-    /// SPIRE server admin socket (sidecar deployment). Exclusive with --spire-address.
-    #[arg(long, env = "REGISTRAR_SPIRE_SOCKET", conflicts_with = "spire_address")]
-    pub spire_socket: Option<PathBuf>,
-
-    /// SPIRE server host:port over TCP with SPIFFE mTLS (our SVID from --workload-api).
-    #[arg(long, env = "REGISTRAR_SPIRE_ADDRESS")]
-    pub spire_address: Option<String>,
-
-    /// SPIFFE ID the SPIRE server must present over TCP. Default: spiffe://<trust domain of
-    /// our own SVID>/spire/server.
-    #[arg(long, env = "REGISTRAR_SPIRE_SERVER_ID")]
-    pub spire_server_id: Option<String>,
-
-    /// SPIRE agent Workload API for our own SVID (TCP transport only).
-    #[arg(
-        long,
-        env = "SPIFFE_ENDPOINT_SOCKET",
-        default_value = "unix:///run/spire/agent-sockets/api.sock"
-    )]
-    pub workload_api: String,
+    #[command(flatten)]
+    pub spire: SpireArgs,
 
     /// Entries per BatchCreateEntry/BatchUpdateEntry call.
     #[arg(long, env = "REGISTRAR_SPIRE_BATCH_SIZE", default_value_t = 100)]
@@ -184,6 +154,76 @@ pub struct RunArgs {
     /// Log as JSON lines.
     #[arg(long, env = "REGISTRAR_LOG_JSON", default_value_t = false)]
     pub log_json: bool,
+}
+
+/// Which cluster's entries are ours; shared by `run`, `plan` and `uninstall`.
+#[derive(Args, Debug, Clone)]
+pub struct ClusterArgs {
+    /// Name of this cluster; part of every entry ID and of the entry hint, so several clusters
+    /// can share one SPIRE server. Lowercase letters, digits and '-'. Default: derived from the
+    /// kube-system namespace's UID (`k-<12 hex digits>`), unique per cluster.
+    #[arg(long, env = "REGISTRAR_CLUSTER_NAME")]
+    pub cluster_name: Option<String>,
+
+    /// Earlier cluster names (repeatable): their entries are migrated to this name in place
+    /// (no gap) while needed and deleted when not. Only list names no other cluster still uses.
+    #[arg(
+        long = "previous-cluster-name",
+        env = "REGISTRAR_PREVIOUS_CLUSTER_NAMES",
+        value_delimiter = ','
+    )]
+    pub previous_cluster_names: Vec<String>,
+}
+
+impl ClusterArgs {
+    /// Checks the names now, so a typo fails at start-up (the ownership is built once the
+    /// name is known, see `run::ownership`).
+    pub fn check(&self) -> Result<(), ConfigError> {
+        if let Some(name) = &self.cluster_name {
+            Ownership::new(name)?;
+        }
+        Ownership::new("x")?.with_previous(&self.previous_cluster_names)?;
+        Ok(())
+    }
+}
+
+/// How to reach SPIRE's Entry API; shared by `run`, `plan` and `uninstall`.
+#[derive(Args, Debug, Clone)]
+pub struct SpireArgs {
+    /// SPIRE server admin socket (sidecar deployment). Exclusive with --spire-address.
+    #[arg(long, env = "REGISTRAR_SPIRE_SOCKET", conflicts_with = "spire_address")]
+    pub spire_socket: Option<PathBuf>,
+
+    /// SPIRE server host:port over TCP with SPIFFE mTLS (our SVID from --workload-api).
+    #[arg(long, env = "REGISTRAR_SPIRE_ADDRESS")]
+    pub spire_address: Option<String>,
+
+    /// SPIFFE ID the SPIRE server must present over TCP. Default: spiffe://<trust domain of
+    /// our own SVID>/spire/server.
+    #[arg(long, env = "REGISTRAR_SPIRE_SERVER_ID")]
+    pub spire_server_id: Option<String>,
+
+    /// SPIRE agent Workload API for our own SVID (TCP transport only).
+    #[arg(
+        long,
+        env = "SPIFFE_ENDPOINT_SOCKET",
+        default_value = "unix:///run/spire/agent-sockets/api.sock"
+    )]
+    pub workload_api: String,
+}
+
+impl SpireArgs {
+    pub fn endpoint(self) -> Result<SpireEndpoint, ConfigError> {
+        match (self.spire_socket, self.spire_address) {
+            (Some(socket), None) => Ok(SpireEndpoint::Unix { socket }),
+            (None, Some(address)) => Ok(SpireEndpoint::Tcp {
+                address,
+                server_id: self.spire_server_id.unwrap_or_default(),
+                workload_api: self.workload_api,
+            }),
+            _ => Err(ConfigError::SpireTransport),
+        }
+    }
 }
 
 /// Durations like 90s, 15m, 2160h, 30d.
@@ -257,11 +297,7 @@ impl Settings {
 
 impl RunArgs {
     pub fn validate(self) -> Result<Settings, ConfigError> {
-        // Validated now (a typo fails at start-up), built once the name is known.
-        if let Some(name) = &self.cluster_name {
-            Ownership::new(name)?;
-        }
-        Ownership::new("x")?.with_previous(&self.previous_cluster_names)?;
+        self.cluster.check()?;
         if !(0.0..=1.0).contains(&self.deletion_brake_fraction) {
             return Err(ConfigError::BrakeFraction(self.deletion_brake_fraction));
         }
@@ -283,15 +319,7 @@ impl RunArgs {
                 serving_lifetime: self.serving_cert_validity,
             }),
         };
-        let spire = match (self.spire_socket, self.spire_address) {
-            (Some(socket), None) => SpireEndpoint::Unix { socket },
-            (None, Some(address)) => SpireEndpoint::Tcp {
-                address,
-                server_id: self.spire_server_id.unwrap_or_default(),
-                workload_api: self.workload_api,
-            },
-            _ => return Err(ConfigError::SpireTransport),
-        };
+        let spire = self.spire.endpoint()?;
         if !(1..=1000).contains(&self.spire_batch_size) {
             return Err(ConfigError::BatchSize(self.spire_batch_size));
         }
@@ -313,8 +341,8 @@ impl RunArgs {
         };
         election.check(client.retry.call_timeout.max(KUBE_WRITE_TIMEOUT))?;
         Ok(Settings {
-            cluster_name: self.cluster_name,
-            previous_cluster_names: self.previous_cluster_names,
+            cluster_name: self.cluster.cluster_name,
+            previous_cluster_names: self.cluster.previous_cluster_names,
             decide: DecideSettings {
                 transition_grace: self.transition_grace,
                 scope_loss_grace: self.scope_loss_grace,

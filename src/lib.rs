@@ -17,5 +17,6 @@ pub mod run;
 pub mod spire;
 pub mod supervise;
 pub mod telemetry;
+pub mod uninstall;
 pub mod version;
 pub mod webhook;

@@ -102,6 +102,10 @@ enum Command {
     Run(Box<RunArgs>),
     /// Print the creates, updates and deletes a sync would do now; changes nothing.
     Plan(Box<RunArgs>),
+    /// Take the registrar out of the cluster: delete the webhook configuration, then remove
+    /// our finalizer and annotations from every Deployment; SPIRE entries only with
+    /// --delete-entries. Scale the registrar to 0 first.
+    Uninstall(Box<spiffe_registrar::uninstall::UninstallArgs>),
     /// Print the SpiffeRegistration CRD as YAML.
     Crd,
     /// Webhook certificates for running outside a cluster.
@@ -164,6 +168,14 @@ fn main() -> anyhow::Result<()> {
             print!(
                 "{}",
                 runtime.block_on(spiffe_registrar::run::plan(settings))?
+            );
+        }
+        Command::Uninstall(args) => {
+            spiffe_registrar::telemetry::init_logging(false);
+            let runtime = tokio::runtime::Runtime::new()?;
+            print!(
+                "{}",
+                runtime.block_on(spiffe_registrar::uninstall::uninstall(*args))?
             );
         }
         Command::Run(args) => {

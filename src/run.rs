@@ -50,22 +50,28 @@ pub enum RunError {
     TaskEnded(#[from] crate::supervise::TaskEnded),
 }
 
-/// The cluster name: the flag's, or derived from the kube-system namespace's UID.
+/// Our entries' names for this cluster (see `cluster_name`) and its previous names.
 async fn ownership(settings: &Settings, client: &kube::Client) -> Result<Ownership, RunError> {
-    let name = match &settings.cluster_name {
-        Some(name) => name.clone(),
-        None => {
-            let namespaces: kube::Api<Namespace> = kube::Api::all(client.clone());
-            let uid = namespaces
-                .get("kube-system")
-                .await?
-                .metadata
-                .uid
-                .ok_or(RunError::NoClusterUid)?;
-            derived_cluster_name(&uid)
-        }
-    };
+    let name = cluster_name(settings.cluster_name.as_deref(), client).await?;
     Ok(settings.ownership(&name)?)
+}
+
+/// The cluster's name: the one given, or the one derived from kube-system's UID.
+pub async fn cluster_name(
+    explicit: Option<&str>,
+    client: &kube::Client,
+) -> Result<String, RunError> {
+    if let Some(name) = explicit {
+        return Ok(name.to_string());
+    }
+    let namespaces: kube::Api<Namespace> = kube::Api::all(client.clone());
+    let uid = namespaces
+        .get("kube-system")
+        .await?
+        .metadata
+        .uid
+        .ok_or(RunError::NoClusterUid)?;
+    Ok(derived_cluster_name(&uid))
 }
 
 /// Our own username, so the webhook lets the controller's `entry-id` writes through. Best

@@ -1,7 +1,7 @@
 //! The registrar as its real binary, against the test stack.
 
 use super::paths::free_port;
-use super::process::{ManagedProcess, http_get_ok, wait_until};
+use super::process::{ManagedProcess, http_get_ok, run, wait_until};
 use super::stack::Stack;
 use std::path::Path;
 use std::process::Command;
@@ -121,4 +121,13 @@ impl Registrar {
             http_get_ok(port, "/readyz")
         });
     }
+}
+
+/// `spiffe-registrar uninstall <args>` against the stack's apiserver; (ok, stdout, stderr).
+pub fn uninstall(stack: &Stack, args: &[&str]) -> (bool, String, String) {
+    run(Command::new(binary())
+        .env("KUBECONFIG", &stack.kube.kubeconfig)
+        .env("RUST_LOG", "info")
+        .arg("uninstall")
+        .args(args))
 }

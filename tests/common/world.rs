@@ -201,7 +201,6 @@ pub async fn events(client: &Client, ns: &str, name: &str, reason: &str) -> Vec<
 }
 
 impl Registrar {
-    /// The sum of every series of metric `name` whose labels include `labels`.
     /// The sum of metric `name` (without the exported `spiffe_registrar_` namespace) over the
     /// series carrying `labels`.
     pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
