@@ -102,6 +102,11 @@ pub struct RunArgs {
     )]
     pub webhook_ips: Vec<IpAddr>,
 
+    /// Lifetime of the generated webhook CA. After 2/3 of it a new CA joins caBundle, signs
+    /// once the apiserver trusts it, and the old one stays trusted until it expires.
+    #[arg(long, env = "REGISTRAR_WEBHOOK_CA_VALIDITY", default_value = "43800h", value_parser = parse_duration)]
+    pub webhook_ca_validity: Duration,
+
     /// Lifetime of generated serving certificates (renewed after 2/3), e.g. 2160h.
     #[arg(long, env = "REGISTRAR_SERVING_CERT_VALIDITY", default_value = "2160h", value_parser = parse_duration)]
     pub serving_cert_validity: Duration,
@@ -315,7 +320,7 @@ impl RunArgs {
                     self.webhook_dns_names
                 },
                 ips: self.webhook_ips,
-                ca_lifetime: Duration::from_secs(5 * 365 * 86_400),
+                ca_lifetime: self.webhook_ca_validity,
                 serving_lifetime: self.serving_cert_validity,
             }),
         };

@@ -1,7 +1,7 @@
 //! `--tls-cert-file/--tls-key-file` (e.g. mounted from cert-manager): re-read when either file
 //! changes, so a renewed certificate is served without a restart.
 
-use crate::webhook::tls::ReloadableCert;
+use super::ReloadableCert;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};

@@ -33,7 +33,7 @@ impl std::fmt::Debug for Pair {
 }
 
 /// Backdating covers clock skew between us and the apiserver.
-const BACKDATE: Duration = Duration::from_secs(300);
+pub const BACKDATE: Duration = Duration::from_secs(300);
 
 fn validity(params: &mut CertificateParams, lifetime: Duration) -> OffsetDateTime {
     let now = OffsetDateTime::now_utc();
@@ -110,7 +110,7 @@ pub fn new_serving(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::webhook::tls::certified_key;
+    use crate::certs::certified_key;
 
     #[test]
     fn serving_certs_load_into_rustls_and_keys_stay_out_of_debug() {

@@ -3,15 +3,18 @@
 
 pub mod files;
 pub mod generate;
+pub mod reloadable;
 pub mod secret;
 
 use crate::telemetry::ReadyHandle;
-use crate::webhook::tls::{ReloadableCert, TlsError};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use generate::{CertError, Pair};
+pub use reloadable::{
+    ReloadableCert, TlsError, certified_key, not_after, split_pem_bundle, validity_of_pem,
+};
 pub use secret::SecretSettings;
 
 #[derive(Clone, Debug)]
@@ -76,6 +79,8 @@ pub async fn start(
     }
 }
 
+/// Injects the bundle, then re-reads (and advances) the Secret when due, serving what it
+/// holds. Readiness waits for the first injection.
 async fn keep_secret_fresh(
     client: kube::Client,
     settings: SecretSettings,
@@ -85,14 +90,11 @@ async fn keep_secret_fresh(
 ) {
     let mut ready = Some(ready);
     loop {
-        match secret::inject_ca_bundle(
-            &client,
-            &settings.webhook_configuration,
-            &material.ca.cert_pem,
-        )
-        .await
-        {
-            Ok(_) => {
+        match secret::inject_ca_bundle(&client, &settings.webhook_configuration, &material).await {
+            Ok(injected) => {
+                if injected == secret::Injected::Newer {
+                    tracing::info!(secret = %settings.name, "caBundle is newer than our copy of the Secret; re-reading it");
+                }
                 if let Some(ready) = ready.take() {
                     ready.release();
                 }
@@ -102,14 +104,16 @@ async fn keep_secret_fresh(
         tokio::time::sleep(secret::next_check(&material)).await;
         match secret::ensure(&client, &settings).await {
             Ok(next) if next != material => {
-                if let Err(error) = serving.replace(
-                    next.serving.cert_pem.as_bytes(),
-                    next.serving.key_pem.as_bytes(),
-                ) {
-                    tracing::error!(%error, "the Secret's serving certificate does not load; keeping the old one");
-                    continue;
+                if next.serving != material.serving {
+                    if let Err(error) = serving.replace(
+                        next.serving.cert_pem.as_bytes(),
+                        next.serving.key_pem.as_bytes(),
+                    ) {
+                        tracing::error!(%error, "the Secret's serving certificate does not load; keeping the old one");
+                        continue;
+                    }
+                    tracing::info!(secret = %settings.name, "serving the rotated webhook certificate");
                 }
-                tracing::info!(secret = %settings.name, "serving the rotated webhook certificate");
                 material = next;
             }
             Ok(_) => {}

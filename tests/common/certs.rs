@@ -82,3 +82,30 @@ impl TestCa {
         }
     }
 }
+
+/// Completes a TLS handshake with 127.0.0.1:`port` trusting only `ca_pem`.
+pub async fn handshake_trusting(port: u16, ca_pem: &[u8]) -> Result<(), String> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem) {
+        roots
+            .add(cert.map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").map_err(|e| e.to_string())?;
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name.to_owned(), tcp)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}

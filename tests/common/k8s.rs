@@ -131,6 +131,37 @@ pub async fn create_webhook_configuration_skipping(
     create_webhook_configuration_full(client, name, port, None, Some(username)).await
 }
 
+/// One webhook per replica: namespaces labelled `e2e/replica=<label>` are sent to that
+/// replica's port (so every replica's certificate is used by the apiserver). Fails closed.
+pub async fn create_webhook_configuration_per_replica(
+    client: &Client,
+    name: &str,
+    replicas: &[(&str, u16)],
+) {
+    let webhooks: Vec<serde_json::Value> = replicas
+        .iter()
+        .map(|(label, port)| {
+            json!({
+                "name": format!("{label}.deployments.registrar.spiffe.io"),
+                "clientConfig": { "url": format!("https://127.0.0.1:{port}/mutate") },
+                "rules": [{ "apiGroups": ["apps"], "apiVersions": ["v1"], "resources": ["deployments"], "operations": ["CREATE", "UPDATE"] }],
+                "namespaceSelector": { "matchLabels": { OPT_IN_KEY: "enabled", "e2e/replica": label } },
+                "failurePolicy": "Fail",
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": 5
+            })
+        })
+        .collect();
+    let config: MutatingWebhookConfiguration =
+        serde_json::from_value(json!({ "metadata": { "name": name }, "webhooks": webhooks }))
+            .expect("webhook configuration");
+    Api::<MutatingWebhookConfiguration>::all(client.clone())
+        .create(&PostParams::default(), &config)
+        .await
+        .expect("webhook configuration create");
+}
+
 async fn create_webhook_configuration_full(
     client: &Client,
     name: &str,

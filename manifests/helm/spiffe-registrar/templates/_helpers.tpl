@@ -55,6 +55,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   (list "leaseRetryPeriod" "lease-retry-period")
   (list "spireUnusableAfter" "spire-unusable-after")
   (list "servingCertValidity" "serving-cert-validity")
+  (list "webhookCaValidity" "webhook-ca-validity")
   (list "webhookDnsNames" "webhook-dns-name")
   (list "webhookIps" "webhook-ip")
   (list "webhookConfiguration" "webhook-configuration")
