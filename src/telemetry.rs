@@ -251,6 +251,7 @@ pub async fn kube_write<T>(
     let outcome = match &result {
         Ok(_) => "ok",
         Err(kube::Error::Api(status)) => match status.code {
+            401 | 403 => "forbidden",
             404 => "not_found",
             409 => "conflict",
             500.. => "server_error",

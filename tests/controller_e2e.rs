@@ -635,18 +635,19 @@ async fn two_replicas_one_writer_and_failover() {
         .expect("create");
     registered(&api, "before").await;
     let leader = holder(&s.client).await;
+    // SPIRE writes, from each replica's metrics (creates, updates, deletes; not lists).
     let writes = |r: &Registrar| {
-        r.process
-            .log_tail(100_000)
-            .matches("applied SPIRE changes")
-            .count()
+        ["create", "update", "delete"]
+            .iter()
+            .map(|op| r.metric("spire_api_entries_total", &[("op", op)]))
+            .sum::<f64>()
     };
     let (writes_a, writes_b) = (writes(&a), writes(&b));
     assert!(
-        (writes_a > 0) != (writes_b > 0),
+        (writes_a > 0.0) != (writes_b > 0.0),
         "exactly one replica writes (a: {writes_a}, b: {writes_b}, lease holder: {leader})"
     );
-    let (mut old_leader, survivor) = if writes_a > 0 { (a, b) } else { (b, a) };
+    let (mut old_leader, survivor) = if writes_a > 0.0 { (a, b) } else { (b, a) };
     assert_eq!(leader, old_leader.process.name);
     old_leader.process.kill();
     api.create(&PostParams::default(), &deployment("after", Some("late")))
@@ -658,7 +659,7 @@ async fn two_replicas_one_writer_and_failover() {
         survivor.process.name,
         "the other replica took the Lease"
     );
-    assert!(writes(&survivor) > 0, "and wrote");
+    assert!(writes(&survivor) > 0.0, "and wrote");
     drop(survivor);
     tokio::task::block_in_place(|| stack.stop());
 }
@@ -694,14 +695,6 @@ async fn crash_between_create_and_annotate_leaves_no_duplicate() {
     let id = spiffe_id(&ns, "default");
     eventually("the entry to be created", WAIT, || async {
         (!stack.spire_server.entries(&["-spiffeID", &id]).is_empty()).then_some(())
-    })
-    .await;
-    eventually("the failpoint to be reached", WAIT, || async {
-        crashing
-            .process
-            .log_tail(200)
-            .contains("failpoint pause-after-create")
-            .then_some(())
     })
     .await;
     crashing.process.kill();
@@ -820,25 +813,18 @@ async fn graceful_shutdown_releases_the_lease_for_the_other_replica() {
 
     let stopped = std::time::Instant::now();
     tokio::task::block_in_place(|| first.process.stop(Duration::from_secs(15)));
+    let after_exit = holder_opt(&client).await;
     assert!(
-        first
-            .process
-            .log_tail(200)
-            .contains("released the leader Lease"),
-        "{}",
-        first.process.log_tail(50)
-    );
-    assert_ne!(
-        holder_opt(&client).await.as_deref(),
-        Some("first"),
-        "the Lease is released on exit"
+        matches!(after_exit.as_deref(), None | Some("") | Some("second")),
+        "the Lease is released on exit, not left to expire: held by {after_exit:?}"
     );
     eventually("second to take over", Duration::from_secs(20), || async {
         (holder_opt(&client).await.as_deref() == Some("second")).then_some(())
     })
     .await;
+    // A Lease left to expire would keep `second` out for its whole 10 s after the last renewal.
     assert!(
-        stopped.elapsed() < Duration::from_secs(15),
+        stopped.elapsed() < Duration::from_secs(8),
         "took over after {:?}",
         stopped.elapsed()
     );

@@ -1,5 +1,5 @@
 //! The five things the controller needs from SPIRE, over our own types. The gRPC client
-//! implements it for real; `memory::MemoryEntryApi` implements it for unit tests of the
+//! implements it for real; `memory::MemoryEntryApi` (test builds only) for unit tests of the
 //! controller's SPIRE view.
 
 use super::types::{DeleteResult, Entry, EntryResult};

@@ -8,6 +8,8 @@
 pub mod api;
 pub mod client;
 pub mod convert;
+// The in-memory SPIRE of unit tests; never in the release binary.
+#[cfg(test)]
 pub mod memory;
 pub mod metrics;
 pub mod ownership;
