@@ -231,23 +231,12 @@ impl SpireArgs {
     }
 }
 
-/// Durations like 90s, 15m, 2160h, 30d.
+/// A flag's duration, in the same grammar as the CRD's TTL (`policy::duration`): 90s, 15m,
+/// 2160h, 1h30m.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let (number, unit) = text.split_at(
-        text.find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(text.len()),
-    );
-    let n: u64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration like 30s, 5m, 1h or 30d"))?;
-    let seconds = match unit {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        _ => return Err(format!("{text:?}: unit must be s, m, h or d")),
-    };
-    Ok(Duration::from_secs(n * seconds))
+    crate::policy::duration::parse_seconds(text)
+        .map(Duration::from_secs)
+        .ok_or_else(|| format!("{text:?} is not a duration like 30s, 5m, 1h or 1h30m"))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -378,7 +367,11 @@ mod tests {
     #[test]
     fn durations() {
         assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
-        assert_eq!(parse_duration("30d"), Ok(Duration::from_secs(30 * 86_400)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        assert!(
+            parse_duration("30d").is_err(),
+            "one grammar: the CRD has no days either"
+        );
         assert!(parse_duration("1.5h").is_err());
         assert!(parse_duration("h").is_err());
         assert!(parse_duration("5").is_err());

@@ -231,6 +231,8 @@ fn every_alert_has_a_runbook_in_the_readme() {
     }
 }
 
+/// Needs promtool from the test bed, so it belongs to the `e2e` tier.
+#[cfg(feature = "e2e")]
 #[test]
 fn promtool_accepts_the_rules() {
     let promtool = common::paths::binary(common::paths::promtool_bin(), "promtool");

@@ -1,5 +1,5 @@
-//! Durations in the CRD's format: `1h`, `90m`, `1h30m`, `45s` (what the schema's CEL rule also
-//! accepts). Parsed here too, because the CRD may be installed without validation (or edited
+//! Durations in one format for the CRD and the flags: `1h`, `90m`, `1h30m`, `45s` (what the
+//! schema's CEL rule also accepts). Parsed here too, because the CRD may be installed without validation (or edited
 //! with an old schema) and the controller must never trust it blindly.
 
 /// Shortest and longest TTL we accept, matching the CRD's validation rule.
@@ -14,16 +14,13 @@ pub enum DurationError {
     Range { field: &'static str, value: String },
 }
 
-/// Seconds of a duration string, range-checked; `field` names the CRD field in errors.
-pub fn parse_ttl(field: &'static str, value: &str) -> Result<i32, DurationError> {
-    let syntax = || DurationError::Syntax {
-        field,
-        value: value.to_string(),
-    };
+/// Seconds of a duration in the one grammar every duration we read uses (the CRD's TTL and
+/// every flag): one or more `<digits><h|m|s>`, e.g. `1h30m`. `None` when it does not parse.
+pub fn parse_seconds(value: &str) -> Option<u64> {
     if value.is_empty() {
-        return Err(syntax());
+        return None;
     }
-    let mut total: i64 = 0;
+    let mut total: u64 = 0;
     let mut digits = String::new();
     for c in value.chars() {
         if c.is_ascii_digit() {
@@ -34,16 +31,22 @@ pub fn parse_ttl(field: &'static str, value: &str) -> Result<i32, DurationError>
             'h' => 3600,
             'm' => 60,
             's' => 1,
-            _ => return Err(syntax()),
+            _ => return None,
         };
-        let n: i64 = digits.parse().map_err(|_| syntax())?;
+        let n: u64 = digits.parse().ok()?;
         digits.clear();
         total = total.saturating_add(n.saturating_mul(unit));
     }
-    if !digits.is_empty() {
-        return Err(syntax());
-    }
-    if !(MIN_TTL_SECONDS..=MAX_TTL_SECONDS).contains(&total) {
+    digits.is_empty().then_some(total)
+}
+
+/// Seconds of a TTL, range-checked; `field` names the CRD field in errors.
+pub fn parse_ttl(field: &'static str, value: &str) -> Result<i32, DurationError> {
+    let total = parse_seconds(value).ok_or_else(|| DurationError::Syntax {
+        field,
+        value: value.to_string(),
+    })?;
+    if !(MIN_TTL_SECONDS as u64..=MAX_TTL_SECONDS as u64).contains(&total) {
         return Err(DurationError::Range {
             field,
             value: value.to_string(),
