@@ -65,9 +65,8 @@ pub struct RunArgs {
     #[arg(long, env = "REGISTRAR_TLS_KEY_FILE", requires = "tls_cert_file")]
     pub tls_key_file: Option<PathBuf>,
 
-    /// Namespace the registrar runs in (its Secret and Lease live there).
-    #[arg(long, env = "POD_NAMESPACE", default_value = "spiffe-registrar")]
-    pub namespace: String,
+    #[command(flatten)]
+    pub installation: InstallationArgs,
 
     /// Secret holding the generated webhook CA and serving certificate.
     #[arg(
@@ -76,14 +75,6 @@ pub struct RunArgs {
         default_value = "spiffe-registrar-webhook-tls"
     )]
     pub cert_secret: String,
-
-    /// MutatingWebhookConfiguration whose caBundle the registrar keeps set to its CA.
-    #[arg(
-        long,
-        env = "REGISTRAR_WEBHOOK_CONFIGURATION",
-        default_value = "spiffe-registrar"
-    )]
-    pub webhook_configuration: String,
 
     /// DNS names in the generated serving certificate (repeatable). Default:
     /// spiffe-registrar.<namespace>.svc.
@@ -159,6 +150,22 @@ pub struct RunArgs {
     /// Log as JSON lines.
     #[arg(long, env = "REGISTRAR_LOG_JSON", default_value_t = false)]
     pub log_json: bool,
+}
+
+/// Where the registrar is installed; shared by `run` and `uninstall`.
+#[derive(Args, Debug, Clone)]
+pub struct InstallationArgs {
+    /// Namespace the registrar runs in (its Secret and Lease live there).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "spiffe-registrar")]
+    pub namespace: String,
+
+    /// MutatingWebhookConfiguration whose caBundle the registrar keeps set to its CA.
+    #[arg(
+        long,
+        env = "REGISTRAR_WEBHOOK_CONFIGURATION",
+        default_value = "spiffe-registrar"
+    )]
+    pub webhook_configuration: String,
 }
 
 /// Which cluster's entries are ours; shared by `run`, `plan` and `uninstall`.
@@ -300,11 +307,14 @@ impl RunArgs {
         let certs = match (self.tls_cert_file, self.tls_key_file) {
             (Some(cert), Some(key)) => CertSource::Files { cert, key },
             _ => CertSource::Secret(SecretSettings {
-                namespace: self.namespace.clone(),
+                namespace: self.installation.namespace.clone(),
                 name: self.cert_secret,
-                webhook_configuration: self.webhook_configuration,
+                webhook_configuration: self.installation.webhook_configuration,
                 dns_names: if self.webhook_dns_names.is_empty() {
-                    vec![format!("spiffe-registrar.{}.svc", self.namespace)]
+                    vec![format!(
+                        "spiffe-registrar.{}.svc",
+                        self.installation.namespace
+                    )]
                 } else {
                     self.webhook_dns_names
                 },
@@ -327,7 +337,7 @@ impl RunArgs {
             ..ClientSettings::default()
         };
         let election = ElectionSettings {
-            namespace: self.namespace.clone(),
+            namespace: self.installation.namespace.clone(),
             identity: self.replica_id.clone(),
             lease_duration: self.lease_duration,
             renew_deadline: self.renew_deadline,
@@ -350,7 +360,7 @@ impl RunArgs {
             certs,
             spire,
             client,
-            namespace: self.namespace,
+            namespace: self.installation.namespace,
             resync_interval: self.resync_interval,
             election,
             spire_unusable_after: self.spire_unusable_after,

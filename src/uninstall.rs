@@ -11,7 +11,7 @@
 //!
 //! Every step is idempotent, so a run that failed half-way is simply run again.
 
-use crate::config::{ClusterArgs, ConfigError, SpireArgs};
+use crate::config::{ClusterArgs, ConfigError, InstallationArgs, SpireArgs};
 use crate::controller::record::{MetadataChange, patch_metadata};
 use crate::index::DeploymentRecord;
 use crate::leader::LEASE_NAME;
@@ -33,17 +33,9 @@ pub struct UninstallArgs {
     #[arg(long, default_value_t = false)]
     pub delete_entries: bool,
 
-    /// Namespace the registrar ran in (its Lease is checked there).
-    #[arg(long, env = "POD_NAMESPACE", default_value = "spiffe-registrar")]
-    pub namespace: String,
-
-    /// The MutatingWebhookConfiguration to delete.
-    #[arg(
-        long,
-        env = "REGISTRAR_WEBHOOK_CONFIGURATION",
-        default_value = "spiffe-registrar"
-    )]
-    pub webhook_configuration: String,
+    /// Its namespace (the Lease is checked there) and the webhook configuration to delete.
+    #[command(flatten)]
+    pub installation: InstallationArgs,
 
     #[command(flatten)]
     pub cluster: ClusterArgs,
@@ -119,8 +111,11 @@ impl fmt::Display for Report {
 pub async fn uninstall(args: UninstallArgs) -> Result<Report, UninstallError> {
     let UninstallArgs {
         delete_entries,
-        namespace,
-        webhook_configuration,
+        installation:
+            InstallationArgs {
+                namespace,
+                webhook_configuration,
+            },
         cluster,
         spire,
     } = args;
