@@ -220,6 +220,7 @@ pub fn compute(
             &sa.service_account,
             members.iter().map(|(_, d)| &d.labels),
             policies.iter().map(Arc::as_ref),
+            ownership,
         );
         let mut keys: Vec<DeploymentKey> = members.into_iter().map(|(k, _)| k).collect();
         keys.sort_unstable();
@@ -234,7 +235,7 @@ pub fn compute(
             },
             Resolution::InScope {
                 policy,
-                identity,
+                entry,
                 losers,
             } => {
                 for loser in losers {
@@ -247,7 +248,7 @@ pub fn compute(
                 }
                 SaState::Needs {
                     policy: policy.name_any(),
-                    entry: Arc::new(identity.entry(ownership)),
+                    entry: Arc::new(entry),
                 }
             }
         };

@@ -5,7 +5,7 @@
 //! ```text
 //! Namespace labels ─┐                       ┌─ OutOfScope
 //! Deployment ───────┼─ resolve(opt-in, …) ──┼─ Invalid { policy, error }
-//! policies ─────────┘   select → render     └─ InScope { policy, identity, losers }
+//! policies ─────────┘   select → render     └─ InScope { policy, entry, losers }
 //! ```
 
 pub mod crd;
@@ -17,7 +17,9 @@ pub mod spiffe_id;
 
 pub use crd::{SpiffeRegistration, SpiffeRegistrationSpec, SpiffeRegistrationStatus};
 pub use labels::{LabelSource, Labels};
-pub use render::{Identity, RenderError, Workload};
+pub use render::{RenderError, Workload};
+
+use crate::spire::{Entry, Ownership};
 
 use std::collections::BTreeMap;
 
@@ -64,15 +66,16 @@ pub enum Resolution<'p> {
     },
     InScope {
         policy: &'p SpiffeRegistration,
-        identity: Identity,
+        /// The entry policy gives the service account, claimed by the registrar's ownership.
+        entry: Entry,
         losers: Vec<&'p SpiffeRegistration>,
     },
 }
 
 impl Resolution<'_> {
-    pub fn identity(&self) -> Option<&Identity> {
+    pub fn entry(&self) -> Option<&Entry> {
         match self {
-            Resolution::InScope { identity, .. } => Some(identity),
+            Resolution::InScope { entry, .. } => Some(entry),
             _ => None,
         }
     }
@@ -80,7 +83,7 @@ impl Resolution<'_> {
 
 /// Resolves the policy and identity of one service account: `namespace` with
 /// `namespace_labels` (`None` when the namespace is not known or not opted in), whose live
-/// Deployments carry `deployment_labels`. Resolution is per service account, not per
+/// Deployments carry `deployment_labels`, its entry named by `ownership`. Resolution is per service account, not per
 /// Deployment, because SPIRE's selectors (`k8s:ns`, `k8s:sa`) cannot tell two Deployments of
 /// one service account apart: one service account, one identity.
 pub fn resolve<'p, 'l, L: LabelSource + 'l>(
@@ -90,6 +93,7 @@ pub fn resolve<'p, 'l, L: LabelSource + 'l>(
     service_account: &str,
     deployment_labels: impl IntoIterator<Item = &'l L> + Clone,
     policies: impl IntoIterator<Item = &'p SpiffeRegistration>,
+    ownership: &Ownership,
 ) -> Resolution<'p> {
     let Some(namespace_labels) = namespace_labels.filter(|labels| opt_in.admits(labels)) else {
         return Resolution::OutOfScope;
@@ -101,10 +105,10 @@ pub fn resolve<'p, 'l, L: LabelSource + 'l>(
         namespace,
         service_account,
     };
-    match render::render(&selection.winner.spec, &workload) {
-        Ok(identity) => Resolution::InScope {
+    match render::render(&selection.winner.spec, &workload, ownership) {
+        Ok(entry) => Resolution::InScope {
             policy: selection.winner,
-            identity,
+            entry,
             losers: selection.losers,
         },
         Err(error) => Resolution::Invalid {
@@ -119,7 +123,7 @@ pub mod testing;
 
 #[cfg(test)]
 mod tests {
-    use super::testing::{mk_deployment, mk_policy};
+    use super::testing::{mk_deployment, mk_policy, ownership};
     use super::*;
     use k8s_openapi::api::apps::v1::Deployment;
     use kube::ResourceExt;
@@ -144,6 +148,7 @@ mod tests {
             &record.service_account,
             [&record.labels],
             policies.iter().copied(),
+            &ownership(),
         );
         match resolution {
             Resolution::OutOfScope => "out".into(),
@@ -152,12 +157,12 @@ mod tests {
             }
             Resolution::InScope {
                 policy,
-                identity,
+                entry,
                 losers,
             } => format!(
                 "{} {} losers={}",
                 policy.name_any(),
-                identity.spiffe_id,
+                entry.spiffe_id,
                 losers.len()
             ),
         }
@@ -247,6 +252,7 @@ mod tests {
             "api",
             [&worker, &web],
             [&only_web],
+            &ownership(),
         );
         assert!(matches!(resolution, Resolution::InScope { .. }));
         let alone = resolve(
@@ -256,6 +262,7 @@ mod tests {
             "api",
             [&worker],
             [&only_web],
+            &ownership(),
         );
         assert!(matches!(alone, Resolution::OutOfScope));
     }

@@ -18,40 +18,6 @@ pub struct Workload<'a> {
     pub service_account: &'a str,
 }
 
-/// What a workload's SPIRE entry must look like (before naming and ownership).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Identity {
-    pub spiffe_id: String,
-    pub parent_id: String,
-    /// Sorted.
-    pub selectors: Vec<Selector>,
-    pub x509_svid_ttl: i32,
-    pub jwt_svid_ttl: i32,
-    /// Sorted, deduplicated.
-    pub dns_names: Vec<String>,
-    /// Sorted, deduplicated.
-    pub federates_with: Vec<String>,
-}
-
-impl Identity {
-    /// The SPIRE entry for this identity, named by `ownership`: the one place policy output
-    /// becomes an entry (the controller creates it; the webhook knows its ID).
-    pub fn entry(&self, ownership: &Ownership) -> Entry {
-        Entry {
-            id: ownership.entry_id(&self.spiffe_id, &self.parent_id, &self.selectors),
-            spiffe_id: self.spiffe_id.clone(),
-            parent_id: self.parent_id.clone(),
-            selectors: self.selectors.clone(),
-            x509_svid_ttl: self.x509_svid_ttl,
-            jwt_svid_ttl: self.jwt_svid_ttl,
-            dns_names: self.dns_names.clone(),
-            federates_with: self.federates_with.clone(),
-            hint: ownership.hint().to_string(),
-            revision_number: 0,
-        }
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RenderError {
     #[error("trustDomain {0:?} is invalid (lowercase letters, digits, '.', '_', '-'; no scheme)")]
@@ -195,7 +161,7 @@ pub fn valid_dns_name(name: &str) -> bool {
 /// Checks what does not depend on a workload; the controller reports these on the policy.
 pub fn validate(spec: &SpiffeRegistrationSpec) -> Result<(), RenderError> {
     // Any syntactically valid workload exercises every check that does not depend on it.
-    render(
+    render_unclaimed(
         spec,
         &Workload {
             namespace: "default",
@@ -205,7 +171,23 @@ pub fn validate(spec: &SpiffeRegistrationSpec) -> Result<(), RenderError> {
     .map(|_| ())
 }
 
-pub fn render(spec: &SpiffeRegistrationSpec, workload: &Workload) -> Result<Identity, RenderError> {
+/// The SPIRE entry `spec` gives `workload`, named and hinted by `ownership`: the one place
+/// policy output becomes an entry (the controller creates it; the webhook stamps its SPIFFE ID
+/// and checks `entry-id` against its ID).
+pub fn render(
+    spec: &SpiffeRegistrationSpec,
+    workload: &Workload,
+    ownership: &Ownership,
+) -> Result<Entry, RenderError> {
+    render_unclaimed(spec, workload).map(|entry| ownership.claim(entry))
+}
+
+/// Everything but the ID and hint, which only `Ownership::claim` sets: this value never
+/// leaves the module unclaimed.
+fn render_unclaimed(
+    spec: &SpiffeRegistrationSpec,
+    workload: &Workload,
+) -> Result<Entry, RenderError> {
     let td = spec.trust_domain.as_str();
     if !valid_trust_domain(td) {
         return Err(RenderError::TrustDomain(td.to_string()));
@@ -250,7 +232,8 @@ pub fn render(spec: &SpiffeRegistrationSpec, workload: &Workload) -> Result<Iden
         Selector::new("k8s", format!("sa:{}", workload.service_account)),
     ];
     selectors.sort();
-    Ok(Identity {
+    Ok(Entry {
+        id: String::new(),
         spiffe_id,
         parent_id: spec.parent_id.clone(),
         selectors,
@@ -258,13 +241,15 @@ pub fn render(spec: &SpiffeRegistrationSpec, workload: &Workload) -> Result<Iden
         jwt_svid_ttl,
         dns_names,
         federates_with,
+        hint: String::new(),
+        revision_number: 0,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testing::mk_spec;
+    use crate::policy::testing::{mk_spec, ownership};
 
     const WL: Workload<'static> = Workload {
         namespace: "payments",
@@ -273,7 +258,7 @@ mod tests {
 
     #[test]
     fn default_template_renders_namespace_and_service_account() {
-        let id = render(&mk_spec(), &WL).expect("valid");
+        let id = render(&mk_spec(), &WL, &ownership()).expect("valid");
         assert_eq!(id.spiffe_id, "spiffe://example.org/ns/payments/sa/api");
         assert_eq!(id.parent_id, "spiffe://example.org/k8s/nodes");
         assert_eq!(
@@ -376,7 +361,7 @@ mod tests {
         for (what, edit, reason) in cases {
             let mut spec = mk_spec();
             edit(&mut spec);
-            let error = render(&spec, &WL).expect_err(what);
+            let error = render(&spec, &WL, &ownership()).expect_err(what);
             assert_eq!(error.reason(), reason, "{what}: {error}");
             assert_eq!(
                 validate(&spec).map_err(|e| e.reason()),
@@ -398,7 +383,7 @@ mod tests {
         ];
         spec.federates_with = vec!["z.org".into(), "a.org".into()];
         spec.jwt_ttl = Some("5m".into());
-        let id = render(&spec, &WL).expect("valid");
+        let id = render(&spec, &WL, &ownership()).expect("valid");
         assert_eq!(id.spiffe_id, "spiffe://example.org/k8s/payments/api");
         assert_eq!(
             id.dns_names,
@@ -419,9 +404,12 @@ mod tests {
             namespace: "payments",
             service_account: "evil.example.com",
         };
-        assert!(matches!(render(&spec, &wl), Err(RenderError::DnsLabel(..))));
+        assert!(matches!(
+            render(&spec, &wl, &ownership()),
+            Err(RenderError::DnsLabel(..))
+        ));
         // The SPIFFE ID itself takes the dotted name as one segment.
-        assert!(render(&mk_spec(), &wl).is_ok());
+        assert!(render(&mk_spec(), &wl, &ownership()).is_ok());
     }
 
     #[test]
@@ -453,7 +441,7 @@ mod tests {
             service_account: "..",
         };
         assert!(matches!(
-            render(&mk_spec(), &wl),
+            render(&mk_spec(), &wl, &ownership()),
             Err(RenderError::SpiffeId(_))
         ));
     }

@@ -4,6 +4,11 @@ use super::crd::{SpiffeRegistration, SpiffeRegistrationSpec};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
+/// The ownership unit tests name entries with (cluster `test`).
+pub fn ownership() -> crate::spire::Ownership {
+    crate::spire::Ownership::new("test").expect("valid cluster name")
+}
+
 /// A valid policy spec: example.org, parent `spiffe://example.org/k8s/nodes`, 1h TTL.
 pub fn mk_spec() -> SpiffeRegistrationSpec {
     SpiffeRegistrationSpec {

@@ -3,7 +3,7 @@
 //! one an operator should see.
 
 use super::proto::types as pb;
-use super::types::{Entry, Selector};
+use super::types::{Entry, MutableField, Selector};
 
 /// Splits `spiffe://td/path` into SPIRE's (trust domain, path). Anything malformed is passed
 /// through as-is for SPIRE to reject with its own message.
@@ -89,17 +89,21 @@ pub fn output_mask() -> pb::EntryMask {
     }
 }
 
-/// What an update writes: exactly the mutable fields (`Entry::mutable_fields_differ`). Never
+/// What an update writes: exactly the `MutableField`s, the ones the diff compares. Never
 /// nil, because a nil mask makes SPIRE replace every field, clearing those we do not model.
 pub fn update_mask() -> pb::EntryMask {
-    pb::EntryMask {
-        x509_svid_ttl: true,
-        jwt_svid_ttl: true,
-        dns_names: true,
-        federates_with: true,
-        hint: true,
-        ..pb::EntryMask::default()
+    let mut mask = pb::EntryMask::default();
+    for field in MutableField::ALL {
+        let bit = match field {
+            MutableField::X509SvidTtl => &mut mask.x509_svid_ttl,
+            MutableField::JwtSvidTtl => &mut mask.jwt_svid_ttl,
+            MutableField::DnsNames => &mut mask.dns_names,
+            MutableField::FederatesWith => &mut mask.federates_with,
+            MutableField::Hint => &mut mask.hint,
+        };
+        *bit = true;
     }
+    mask
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 
 use super::api::{EntryApi, SpireError};
 use super::ownership::Ownership;
-use super::types::{DeleteResult, Entry, EntryResult, ItemError};
+use super::types::{DeleteResult, Entry, EntryResult, ItemError, MutableField};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -141,17 +141,15 @@ impl EntryApi for MemoryEntryApi {
                 if down {
                     return self.unavailable(&entry.id);
                 }
-                let entry = entry.normalize();
+                let mut entry = entry.normalize();
                 let Some(current) = stored.get_mut(&entry.id) else {
                     return Err(ItemError::NotFound {
                         id: entry.id.clone(),
                     });
                 };
-                current.x509_svid_ttl = entry.x509_svid_ttl;
-                current.jwt_svid_ttl = entry.jwt_svid_ttl;
-                current.dns_names = entry.dns_names;
-                current.federates_with = entry.federates_with;
-                current.hint = entry.hint;
+                for field in MutableField::ALL {
+                    field.move_into(&mut entry, current);
+                }
                 current.revision_number += 1;
                 Ok(current.clone())
             })

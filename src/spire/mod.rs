@@ -24,4 +24,4 @@ pub use api::{EntryApi, SpireError};
 pub use client::{ClientSettings, GrpcEntryClient};
 pub use ownership::Ownership;
 pub use transport::{SpireEndpoint, connect};
-pub use types::{Entry, ItemError, Selector};
+pub use types::{Entry, ItemError, MutableField, Selector};

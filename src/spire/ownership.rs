@@ -132,6 +132,13 @@ impl Ownership {
         format!("{}{}", self.id_prefix, &hex[..HASH_HEX_LEN])
     }
 
+    /// Makes `entry` ours: its deterministic ID (from the identity triple) and our hint.
+    pub fn claim(&self, mut entry: Entry) -> Entry {
+        entry.id = self.entry_id(&entry.spiffe_id, &entry.parent_id, &entry.selectors);
+        entry.hint = self.hint.clone();
+        entry
+    }
+
     /// True when the ID has our prefix *and* the hint is ours; or the entry carries our
     /// adopted hint (only we write it); or prefix and hint are those of a previous name.
     pub fn is_ours(&self, entry: &Entry) -> bool {

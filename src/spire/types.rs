@@ -69,15 +69,78 @@ impl Entry {
         self
     }
 
-    /// Whether the fields we may change in place (everything but the identity triple and the
-    /// ID) differ. SPIFFE ID, parent ID and selectors are part of the entry's key: a change
-    /// there is a different entry, not an update.
+    /// Whether any `MutableField` differs: an update, not a new entry, fixes that.
     pub fn mutable_fields_differ(&self, other: &Entry) -> bool {
-        self.x509_svid_ttl != other.x509_svid_ttl
-            || self.jwt_svid_ttl != other.jwt_svid_ttl
-            || self.dns_names != other.dns_names
-            || self.federates_with != other.federates_with
-            || self.hint != other.hint
+        MutableField::ALL
+            .iter()
+            .any(|field| field.differs(self, other))
+    }
+
+    /// Every field of `Entry`, sorted into what it is. Destructured without `..`, so a field
+    /// added to `Entry` does not compile until it is placed: part of the key (a change is a
+    /// different entry), a `MutableField` (updated in place), or observed only.
+    #[cfg(test)]
+    fn immutable_fields(&self) -> (&str, &str, &str, &[Selector], i64) {
+        let Entry {
+            id,
+            spiffe_id,
+            parent_id,
+            selectors,
+            x509_svid_ttl: _,
+            jwt_svid_ttl: _,
+            dns_names: _,
+            federates_with: _,
+            hint: _,
+            revision_number,
+        } = self;
+        (id, spiffe_id, parent_id, selectors, *revision_number)
+    }
+}
+
+/// The fields SPIRE lets us change in place: everything but the ID, the identity triple
+/// (SPIFFE ID, parent ID, selectors: a change there is a different entry) and the observed
+/// revision. The one list behind the diff (`Entry::mutable_fields_differ`), the update mask we
+/// send (`convert::update_mask`) and the test SPIRE's update; each matches on it exhaustively.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MutableField {
+    X509SvidTtl,
+    JwtSvidTtl,
+    DnsNames,
+    FederatesWith,
+    Hint,
+}
+
+impl MutableField {
+    pub const ALL: [MutableField; 5] = [
+        MutableField::X509SvidTtl,
+        MutableField::JwtSvidTtl,
+        MutableField::DnsNames,
+        MutableField::FederatesWith,
+        MutableField::Hint,
+    ];
+
+    /// Whether this field differs between `a` and `b`.
+    pub fn differs(self, a: &Entry, b: &Entry) -> bool {
+        match self {
+            MutableField::X509SvidTtl => a.x509_svid_ttl != b.x509_svid_ttl,
+            MutableField::JwtSvidTtl => a.jwt_svid_ttl != b.jwt_svid_ttl,
+            MutableField::DnsNames => a.dns_names != b.dns_names,
+            MutableField::FederatesWith => a.federates_with != b.federates_with,
+            MutableField::Hint => a.hint != b.hint,
+        }
+    }
+
+    /// Moves this field of `from` into `into` (what a server does on update).
+    pub fn move_into(self, from: &mut Entry, into: &mut Entry) {
+        match self {
+            MutableField::X509SvidTtl => into.x509_svid_ttl = from.x509_svid_ttl,
+            MutableField::JwtSvidTtl => into.jwt_svid_ttl = from.jwt_svid_ttl,
+            MutableField::DnsNames => into.dns_names = std::mem::take(&mut from.dns_names),
+            MutableField::FederatesWith => {
+                into.federates_with = std::mem::take(&mut from.federates_with)
+            }
+            MutableField::Hint => into.hint = std::mem::take(&mut from.hint),
+        }
     }
 }
 
@@ -117,3 +180,75 @@ impl ItemError {
 pub type EntryResult = Result<Entry, ItemError>;
 /// Per-item outcome of a delete: the deleted (or already absent) ID.
 pub type DeleteResult = Result<String, ItemError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry() -> Entry {
+        Entry {
+            id: "id".into(),
+            spiffe_id: "spiffe://td/w".into(),
+            parent_id: "spiffe://td/agent".into(),
+            selectors: vec![Selector::new("k8s", "ns:a")],
+            x509_svid_ttl: 60,
+            jwt_svid_ttl: 30,
+            dns_names: vec!["a.example".into()],
+            federates_with: vec!["other.org".into()],
+            hint: "spiffe-registrar/c".into(),
+            revision_number: 3,
+        }
+    }
+
+    /// An entry whose every mutable field differs from `entry()`'s, and nothing else.
+    fn edited() -> Entry {
+        Entry {
+            x509_svid_ttl: 61,
+            jwt_svid_ttl: 31,
+            dns_names: vec!["b.example".into()],
+            federates_with: vec![],
+            hint: "spiffe-registrar/d".into(),
+            ..entry()
+        }
+    }
+
+    #[test]
+    fn each_mutable_field_is_seen_by_the_diff_and_moved_by_an_update() {
+        let (base, changed) = (entry(), edited());
+        assert_eq!(
+            base.immutable_fields(),
+            changed.immutable_fields(),
+            "only mutable fields edited"
+        );
+        for field in MutableField::ALL {
+            assert!(field.differs(&base, &changed), "{field:?} differs");
+            let mut updated = base.clone();
+            field.move_into(&mut changed.clone(), &mut updated);
+            assert!(!field.differs(&updated, &changed), "{field:?} moved");
+            assert!(
+                updated.mutable_fields_differ(&changed),
+                "the other four still differ"
+            );
+        }
+        let mut updated = base.clone();
+        for field in MutableField::ALL {
+            field.move_into(&mut changed.clone(), &mut updated);
+        }
+        assert_eq!(updated, changed, "ALL moves every mutable field");
+        assert!(!updated.mutable_fields_differ(&changed));
+    }
+
+    #[test]
+    fn key_and_observed_fields_are_not_mutable() {
+        let base = entry();
+        let rekeyed = Entry {
+            id: "other".into(),
+            spiffe_id: "spiffe://td/x".into(),
+            parent_id: "spiffe://td/y".into(),
+            selectors: vec![],
+            revision_number: 9,
+            ..entry()
+        };
+        assert!(!base.mutable_fields_differ(&rekeyed));
+    }
+}

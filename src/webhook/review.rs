@@ -5,7 +5,7 @@ use super::patch::{guard_entry_id, stamp};
 use crate::index::PolicyView;
 use crate::index::deployment::WatchedDeployment;
 use crate::names::{ENTRY_ID_ANNOTATION, SPIFFE_ID_ANNOTATION};
-use crate::policy::{Resolution, resolve};
+use crate::policy::resolve;
 use base64::Engine;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionReview, Operation};
@@ -186,11 +186,9 @@ fn decide(
         service_account,
         std::iter::once(&record.labels).chain(siblings.iter()),
         policies.iter().map(Arc::as_ref),
+        view.ownership(),
     );
-    let identity = match &resolution {
-        Resolution::InScope { identity, .. } => Some(identity),
-        _ => None,
-    };
+    let entry = resolution.entry();
     // `entry-id` is ours to write: a user may remove it, or set the one value policy computes,
     // but never point it at another entry (it pins nothing anyway: see controller::decide).
     let old_entry_id = request
@@ -198,29 +196,25 @@ fn decide(
         .as_ref()
         .and_then(|old| old.metadata.annotations.as_ref()?.get(ENTRY_ID_ANNOTATION))
         .cloned();
-    let computed = identity.map(|i| i.entry(view.ownership()).id);
+    let computed = entry.map(|e| e.id.as_str());
     let by_registrar =
         registrar_user.is_some_and(|me| request.user_info.username.as_deref() == Some(me));
     let mut warnings = Vec::new();
     let mut ops = Vec::new();
     if !by_registrar
-        && let Some(fix) = guard_entry_id(
-            &deployment.metadata,
-            old_entry_id.as_deref(),
-            computed.as_deref(),
-        )
+        && let Some(fix) = guard_entry_id(&deployment.metadata, old_entry_id.as_deref(), computed)
     {
         warnings.push(fix.warning);
         ops.push(fix.operation);
     }
-    let Some(identity) = identity else {
+    let Some(entry) = entry else {
         return if ops.is_empty() {
             skipped
         } else {
             (Outcome::Patched, ops, warnings)
         };
     };
-    ops.extend(stamp(&deployment.metadata, &identity.spiffe_id));
+    ops.extend(stamp(&deployment.metadata, &entry.spiffe_id));
     if ops.is_empty() {
         return (Outcome::Unchanged, ops, Vec::new());
     }
@@ -229,12 +223,12 @@ fn decide(
         .annotations
         .as_ref()
         .and_then(|a| a.get(SPIFFE_ID_ANNOTATION));
-    if let Some(user_value) = user_value.filter(|v| **v != identity.spiffe_id) {
+    if let Some(user_value) = user_value.filter(|v| **v != entry.spiffe_id) {
         warnings.push(format!(
             "{SPIFFE_ID_ANNOTATION} is set from policy; replaced {user_value:?} with {:?}",
-            identity.spiffe_id
+            entry.spiffe_id
         ));
     }
-    tracing::debug!(namespace = %namespace, deployment = %request.name, spiffe_id = %identity.spiffe_id, dry_run = request.dry_run, "stamping Deployment");
+    tracing::debug!(namespace = %namespace, deployment = %request.name, spiffe_id = %entry.spiffe_id, dry_run = request.dry_run, "stamping Deployment");
     (Outcome::Patched, ops, warnings)
 }

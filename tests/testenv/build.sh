@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # Builds the real peers the tests run against (etcd, kube-apiserver, kube-controller-manager,
 # kubectl, spire-server, spire-agent) and the tools the chart and monitoring tests use (helm,
-# promtool) from Go modules at the versions in versions.env, into a cache outside the repo.
+# promtool) from Go modules at the versions in versions.env, and cargo-deny from crates.io,
+# into a cache outside the repo.
 # Whatever is already cached is not rebuilt. Prints the bin directories on the last lines.
 #
+#   --peers-only              only the control plane (kube, etcd, spire): what tests/demo runs
 #   SPIFFE_REGISTRAR_TESTENV  cache root (default ~/.cache/spiffe-registrar/testenv)
 set -euo pipefail
+peers_only=false
+case "${1:-}" in
+  --peers-only) peers_only=true ;;
+  "") ;;
+  *) echo "usage: build.sh [--peers-only]" >&2; exit 2 ;;
+esac
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/versions.env"
 source "$here/paths.sh"
@@ -84,12 +92,31 @@ build_tool() {
   fi
 }
 
+echo "KUBE_BIN=$KUBE_BIN"
+echo "SPIRE_BIN=$SPIRE_BIN"
+if $peers_only; then exit 0; fi
+
 build_tool "$HELM_BIN" helm "$here/go/helm" "$HELM_VERSION" \
   "-s -w -X helm.sh/helm/v4/internal/version.version=${HELM_VERSION}" helm.sh/helm/v4/cmd/helm
 build_tool "$PROMTOOL_BIN" promtool "$here/go/promtool" "$PROMETHEUS_VERSION" \
   "-s -w" github.com/prometheus/prometheus/cmd/promtool
 
-echo "KUBE_BIN=$KUBE_BIN"
-echo "SPIRE_BIN=$SPIRE_BIN"
+# cargo-deny is a Rust tool: installed from crates.io at the pinned version, through a temporary
+# root so an interrupted install never leaves a half-written binary.
+if [[ -x "$CARGO_DENY_BIN/cargo-deny" ]]; then
+  log "cached: $CARGO_DENY_BIN"
+else
+  log "installing cargo-deny ${CARGO_DENY_VERSION} from crates.io (about 3 minutes on 2 cores)"
+  start=$SECONDS
+  tmp=$(mktemp -d "$(dirname "$CARGO_DENY_BIN").partial.XXXXXX")
+  cargo install --quiet --locked cargo-deny --version "${CARGO_DENY_VERSION#v}" --root "$tmp"
+  mkdir -p "$(dirname "$CARGO_DENY_BIN")"
+  rm -rf "$CARGO_DENY_BIN"
+  mv "$tmp/bin" "$CARGO_DENY_BIN"
+  rm -rf "$tmp"
+  log "installed cargo-deny in $((SECONDS - start))s"
+fi
+
 echo "HELM_BIN=$HELM_BIN"
 echo "PROMTOOL_BIN=$PROMTOOL_BIN"
+echo "CARGO_DENY_BIN=$CARGO_DENY_BIN"
