@@ -2,7 +2,7 @@
 //! SPIRE registration entries in step with the cluster.
 //!
 //! Layers, each depending only on those above it:
-//! `names`, `spire::types` → `policy` (pure) → `index` (caches) → `webhook`, `spire` client,
+//! `names`, `metadata_patch`, `spire::types` → `policy` (pure) → `index` (caches) → `webhook`, `spire` client,
 //! `certs` → `run` (wiring) → `main.rs`.
 #![forbid(unsafe_code)]
 
@@ -11,6 +11,7 @@ pub mod config;
 pub mod controller;
 pub mod index;
 pub mod leader;
+pub mod metadata_patch;
 pub mod names;
 pub mod policy;
 pub mod run;

@@ -5,11 +5,12 @@
 
 use super::events::EventSink;
 use crate::index::DeploymentRecord;
+use crate::metadata_patch::{self as patch, Target, writes_anything};
 use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
+use json_patch::PatchOperation;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, Resource};
-use serde_json::{Value, json};
 use std::sync::Arc;
 
 /// What a Deployment's metadata should become.
@@ -28,15 +29,11 @@ impl MetadataChange {
     }
 }
 
-fn escape(key: &str) -> String {
-    key.replace('~', "~0").replace('/', "~1")
-}
-
 /// JSON Patch operations for `change` against the cached `deployment`, each guarded by a
 /// `test` of what it relies on: the finalizer list it edits by index or appends to, and, when
 /// it creates the annotation map or finalizer list, the whole object's resourceVersion (an
 /// `add` of an existing map would replace it). Status and other fields may change meanwhile.
-pub fn operations(deployment: &DeploymentRecord, change: &MetadataChange) -> Vec<Value> {
+pub fn operations(deployment: &DeploymentRecord, change: &MetadataChange) -> Vec<PatchOperation> {
     let mut ops = Vec::new();
     let mut guard_version = false;
     let finalizers: Vec<&str> = deployment
@@ -48,18 +45,18 @@ pub fn operations(deployment: &DeploymentRecord, change: &MetadataChange) -> Vec
     let add = change.add_finalizer && !finalizers.contains(&FINALIZER);
     let remove = change.remove_finalizer && finalizers.contains(&FINALIZER);
     if (add || remove) && deployment.finalizers.is_some() {
-        ops.push(json!({ "op": "test", "path": "/metadata/finalizers", "value": finalizers }));
+        ops.push(patch::test(Target::Finalizers, finalizers.clone()));
     }
     if add {
         if deployment.finalizers.is_none() {
             guard_version = true;
-            ops.push(json!({ "op": "add", "path": "/metadata/finalizers", "value": [FINALIZER] }));
+            ops.push(patch::add(Target::Finalizers, vec![FINALIZER]));
         } else {
-            ops.push(json!({ "op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER }));
+            ops.push(patch::add(Target::FinalizersEnd, FINALIZER));
         }
     }
     if remove && let Some(index) = finalizers.iter().position(|f| *f == FINALIZER) {
-        ops.push(json!({ "op": "remove", "path": format!("/metadata/finalizers/{index}") }));
+        ops.push(patch::remove(Target::FinalizerAt(index)));
     }
     let mut annotations_exist = deployment.annotations.is_some();
     for (key, wanted, current) in [
@@ -70,32 +67,27 @@ pub fn operations(deployment: &DeploymentRecord, change: &MetadataChange) -> Vec
         ),
         (ENTRY_ID_ANNOTATION, &change.entry_id, deployment.entry_id()),
     ] {
-        let path = format!("/metadata/annotations/{}", escape(key));
+        let target = Target::Annotation(key);
         match wanted {
             Some(Some(value)) if current != Some(&**value) => {
                 if !annotations_exist {
                     guard_version = true;
-                    ops.push(json!({ "op": "add", "path": "/metadata/annotations", "value": {} }));
+                    ops.push(patch::add(Target::Annotations, serde_json::Map::new()));
                     annotations_exist = true;
                 }
-                ops.push(json!({ "op": "add", "path": path, "value": &**value }));
+                ops.push(patch::add(target, &**value));
             }
-            Some(None) if current.is_some() => ops.push(json!({ "op": "remove", "path": path })),
+            Some(None) if current.is_some() => ops.push(patch::remove(target)),
             _ => {}
         }
     }
     if guard_version {
         ops.insert(
             0,
-            json!({ "op": "test", "path": "/metadata/resourceVersion", "value": &*deployment.resource_version }),
+            patch::test(Target::ResourceVersion, &*deployment.resource_version),
         );
     }
     ops
-}
-
-/// Whether `ops` change anything (tests alone do not).
-fn writes_anything(ops: &[Value]) -> bool {
-    ops.iter().any(|op| op["op"] != "test")
 }
 
 /// Patches one Deployment. A failed `test` (the cache was stale) is not an error worth more
@@ -110,9 +102,7 @@ pub async fn patch_metadata(
         return Ok(false);
     }
     let api: Api<Deployment> = Api::namespaced(client.clone(), &deployment.namespace);
-    let patch: json_patch::Patch =
-        serde_json::from_value(Value::Array(ops)).expect("our operations must form a JSON Patch");
-    let patch = Patch::<()>::Json(patch);
+    let patch = Patch::<()>::Json(json_patch::Patch(ops));
     crate::telemetry::kube_write(
         "patch",
         "deployments",
@@ -219,14 +209,13 @@ pub fn publish(
 mod tests {
     use super::*;
     use crate::policy::testing::mk_deployment;
+    use serde_json::{Value, json};
     use std::collections::BTreeMap;
 
     fn apply(deployment: &Deployment, change: &MetadataChange) -> Value {
         let mut object = serde_json::to_value(deployment).expect("serializes");
         let record = DeploymentRecord::from(deployment);
-        let patch: json_patch::Patch =
-            serde_json::from_value(Value::Array(operations(&record, change))).expect("patch");
-        json_patch::patch(&mut object, &patch).expect("applies");
+        json_patch::patch(&mut object, &operations(&record, change)).expect("applies");
         object
     }
 
@@ -275,9 +264,8 @@ mod tests {
         assert_eq!(out["metadata"]["annotations"], json!({ "keep": "1" }));
     }
 
-    fn try_apply(object: &mut Value, ops: Vec<Value>) -> bool {
-        let patch: json_patch::Patch = serde_json::from_value(Value::Array(ops)).expect("patch");
-        json_patch::patch(object, &patch).is_ok()
+    fn try_apply(object: &mut Value, ops: Vec<PatchOperation>) -> bool {
+        json_patch::patch(object, &ops).is_ok()
     }
 
     #[test]

@@ -1,11 +1,10 @@
 //! The mutation itself, as a pure function: which JSON Patch operations make a Deployment carry
 //! our finalizer and the SPIFFE ID annotation. No I/O, so it is unit-tested exhaustively.
 
+use crate::metadata_patch::{Target, add, remove};
 use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
-use json_patch::jsonptr::PointerBuf;
-use json_patch::{AddOperation, PatchOperation, RemoveOperation};
+use json_patch::PatchOperation;
 use kube::api::ObjectMeta;
-use serde_json::Value;
 
 /// Operations that give `meta` our finalizer and `spiffe_id` as its annotation; empty when it
 /// already has both, so an unchanged object gets no patch at all.
@@ -13,29 +12,22 @@ pub fn stamp(meta: &ObjectMeta, spiffe_id: &str) -> Vec<PatchOperation> {
     let mut ops = Vec::new();
     match &meta.annotations {
         None => ops.push(add(
-            &["metadata", "annotations"],
+            Target::Annotations,
             serde_json::json!({ SPIFFE_ID_ANNOTATION: spiffe_id }),
         )),
         // A user-written value is overwritten: the ID always comes from policy.
         Some(annotations)
             if annotations.get(SPIFFE_ID_ANNOTATION).map(String::as_str) != Some(spiffe_id) =>
         {
-            ops.push(add(
-                &["metadata", "annotations", SPIFFE_ID_ANNOTATION],
-                Value::from(spiffe_id),
-            ))
+            ops.push(add(Target::Annotation(SPIFFE_ID_ANNOTATION), spiffe_id))
         }
         Some(_) => {}
     }
     match &meta.finalizers {
-        None => ops.push(add(
-            &["metadata", "finalizers"],
-            serde_json::json!([FINALIZER]),
-        )),
-        Some(finalizers) if !finalizers.iter().any(|f| f == FINALIZER) => ops.push(add(
-            &["metadata", "finalizers", "-"],
-            Value::from(FINALIZER),
-        )),
+        None => ops.push(add(Target::Finalizers, serde_json::json!([FINALIZER]))),
+        Some(finalizers) if !finalizers.iter().any(|f| f == FINALIZER) => {
+            ops.push(add(Target::FinalizersEnd, FINALIZER))
+        }
         Some(_) => {}
     }
     ops
@@ -59,15 +51,10 @@ pub fn guard_entry_id(
     if Some(written.as_str()) == old || Some(written.as_str()) == computed {
         return None;
     }
-    let path = ["metadata", "annotations", ENTRY_ID_ANNOTATION];
+    let target = Target::Annotation(ENTRY_ID_ANNOTATION);
     let (operation, what) = match old {
-        Some(old) => (add(&path, Value::from(old)), format!("restored {old:?}")),
-        None => (
-            PatchOperation::Remove(RemoveOperation {
-                path: PointerBuf::from_tokens(path),
-            }),
-            "removed it".to_string(),
-        ),
+        Some(old) => (add(target, old), format!("restored {old:?}")),
+        None => (remove(target), "removed it".to_string()),
     };
     Some(EntryIdFix {
         operation,
@@ -77,17 +64,10 @@ pub fn guard_entry_id(
     })
 }
 
-/// An `add` at the path made of `tokens` (each escaped: `/` → `~1`, `~` → `~0`).
-fn add(tokens: &[&str], value: Value) -> PatchOperation {
-    PatchOperation::Add(AddOperation {
-        path: PointerBuf::from_tokens(tokens.iter().copied()),
-        value,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
     use std::collections::BTreeMap;
 
     const ID: &str = "spiffe://example.org/ns/a/sa/b";
