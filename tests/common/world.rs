@@ -7,8 +7,10 @@ use super::k8s::{
     eventually, install_crd, policy,
 };
 use super::kube_plane::{KubePlane, client_for};
+use super::paths::free_port;
 use super::process::{http_get, run};
-use super::registrar::Registrar;
+use super::registrar::{Options, Registrar};
+use super::spire::SpireServer;
 use super::stack::{Stack, unique};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Event;
@@ -43,6 +45,104 @@ pub fn prepare(kube: &KubePlane, webhook_port: u16) {
         )
         .await;
     });
+}
+
+/// Registrar flags: `defaults`, with each flag that `extra` also sets taken from `extra`.
+pub fn flags(defaults: &[&str], extra: &[&str]) -> Vec<String> {
+    let flag = |arg: &str| arg.split('=').next().unwrap_or_default().to_string();
+    let overridden: Vec<String> = extra.iter().map(|a| flag(a)).collect();
+    defaults
+        .iter()
+        .filter(|a| !overridden.contains(&flag(a)))
+        .chain(extra)
+        .map(ToString::to_string)
+        .collect()
+}
+
+/// A registrar of this world (its Secret and Lease in `HOME`, `WEBHOOK_CONFIG`) in cluster
+/// `cluster`, logging as `name`, with `flags`.
+pub fn options<'a>(cluster: &'a str, name: &'a str, flags: Vec<String>) -> Options<'a> {
+    Options {
+        namespace: HOME,
+        webhook_configuration: WEBHOOK_CONFIG,
+        cluster_name: cluster,
+        name,
+        extra_args: flags,
+        extra_env: vec![],
+    }
+}
+
+/// Starts a registrar on `stack`, serving the webhook on `port` (the one the webhook
+/// configuration names) when given, and hands it to the sentinel.
+pub fn launch(stack: &Stack, port: Option<u16>, options: Options) -> Registrar {
+    let registrar = tokio::task::block_in_place(|| match port {
+        Some(port) => Registrar::start_on(stack, port, options),
+        None => Registrar::start(stack, options),
+    });
+    stack.track(registrar.process.pgid());
+    registrar
+}
+
+/// The binary's shared stack, prepared, with one registrar on the webhook's port: what a
+/// suite keeps in its `OnceLock`. Call outside the async runtime (or in `block_in_place`).
+pub fn shared_with(options: Options) -> (&'static Stack, Registrar) {
+    let stack = Stack::shared();
+    let port = free_port();
+    prepare(&stack.kube, port);
+    let registrar = Registrar::start_on(stack, port, options);
+    stack.track(registrar.process.pgid());
+    (stack, registrar)
+}
+
+/// A stack of its own, prepared (the returned port is the webhook configuration's), for
+/// tests that stop SPIRE, run several replicas or crash the registrar.
+pub fn own_plane() -> (Stack, u16) {
+    tokio::task::block_in_place(|| {
+        let stack = Stack::start();
+        let port = free_port();
+        prepare(&stack.kube, port);
+        (stack, port)
+    })
+}
+
+/// The SPIFFE ID the default template gives `ns`/`sa`.
+pub fn spiffe_id(ns: &str, sa: &str) -> String {
+    format!("spiffe://{TD}/ns/{ns}/sa/{sa}")
+}
+
+/// The ID of an entry as the spire-server CLI prints it.
+pub fn entry_id(entry: &Value) -> String {
+    entry["id"].as_str().expect("entry id").to_string()
+}
+
+impl SpireServer {
+    /// Every entry (any writer) with SPIFFE ID `id`, read with the spire-server CLI.
+    pub fn entries_for(&self, id: &str) -> Vec<Value> {
+        self.entries(&["-spiffeID", id])
+    }
+
+    /// Waits until SPIRE holds no entry with SPIFFE ID `id`.
+    pub async fn wait_none_for(&self, id: &str) {
+        let what = format!("no SPIRE entry for {id}");
+        eventually(&what, WAIT, || async {
+            self.entries_for(id).is_empty().then_some(())
+        })
+        .await
+    }
+}
+
+/// Who holds the registrar's Lease in `HOME` (`None` when nobody, or no Lease yet).
+pub async fn lease_holder(client: &Client) -> Option<String> {
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), HOME);
+    leases
+        .get_opt(spiffe_registrar::leader::LEASE_NAME)
+        .await
+        .ok()
+        .flatten()?
+        .spec?
+        .holder_identity
+        .filter(|h| !h.is_empty())
 }
 
 /// One test's world: policies selecting namespaces labelled `e2e/test=<tag>`.
@@ -89,6 +189,11 @@ impl Scenario {
         self.try_policy(suffix, spec)
             .await
             .expect("the policy must be accepted")
+    }
+
+    /// This test's policy `<tag>-p`, valid, parent `parent("p")`, 1h TTL.
+    pub async fn default_policy(&self) -> String {
+        self.policy("p", self.spec("p")).await
     }
 
     pub async fn patch_policy(&self, name: &str, patch: Value) {
@@ -223,6 +328,17 @@ impl Registrar {
     /// SPIRE Entry API calls made so far (every operation, every result).
     pub fn spire_calls(&self) -> f64 {
         self.metric("spire_api_call_duration_seconds_count", &[])
+    }
+
+    /// SPIRE Entry API calls that did not return OK (each attempt counts).
+    pub fn failed_spire_calls(&self) -> f64 {
+        let calls = "spire_api_call_duration_seconds_count";
+        self.metric(calls, &[]) - self.metric(calls, &[("code", "Ok")])
+    }
+
+    /// SPIRE list calls so far: full lists happen at start and on each resync only.
+    pub fn spire_list_calls(&self) -> f64 {
+        self.metric("spire_api_call_duration_seconds_count", &[("op", "list")])
     }
 
     /// Completed syncs so far.
