@@ -88,6 +88,17 @@ fn return_freed_memory_promptly() {
     unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
 }
 
+/// Transparent huge pages off for this process. mimalloc asks for them (`MADV_HUGEPAGE` on its
+/// arenas), and a 2 MiB page stays resident while any object on it is live: in the scale
+/// benchmark at 10,000 Deployments, 39 of 78 MiB of RSS were huge pages over a 16 MiB heap,
+/// and the gap grew with every burst. Best effort: a kernel without the call keeps its
+/// default.
+fn no_transparent_huge_pages() {
+    if let Err(error) = nix::sys::prctl::set_thp_disable(true) {
+        eprintln!("could not turn transparent huge pages off ({error}); RSS may run higher");
+    }
+}
+
 /// Gives every in-scope Kubernetes Deployment a SPIFFE identity, registered in SPIRE.
 #[derive(Parser)]
 #[command(version, about)]
@@ -139,6 +150,7 @@ fn main() -> anyhow::Result<()> {
     let _profiler = dhat::Profiler::builder()
         .file_name(std::env::var_os("DHAT_FILE").unwrap_or_else(|| "dhat-heap.json".into()))
         .build();
+    no_transparent_huge_pages();
     return_freed_memory_promptly();
     rustls::crypto::ring::default_provider()
         .install_default()
@@ -214,5 +226,11 @@ mod tests {
         // SAFETY: as above.
         let set = unsafe { libmimalloc_sys::mi_option_get(super::MI_OPTION_PURGE_DELAY) };
         assert_eq!(set, 0);
+    }
+
+    #[test]
+    fn transparent_huge_pages_are_off_for_the_process() {
+        super::no_transparent_huge_pages();
+        assert_eq!(nix::sys::prctl::get_thp_disable(), Ok(true));
     }
 }

@@ -301,6 +301,11 @@ pub mod heap {
         PEAK.load(Relaxed)
     }
 
+    /// Starts a new peak from what is live now (to measure one phase's high-water mark).
+    pub fn reset_peak() {
+        PEAK.store(LIVE.load(Relaxed), Relaxed);
+    }
+
     /// `heap_live_bytes` and `heap_peak_bytes`, read when scraped.
     pub struct HeapCollector {
         live: IntGauge,

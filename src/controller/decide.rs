@@ -68,8 +68,9 @@ pub struct Memory {
     present_since: BTreeMap<String, Instant>,
     /// When an entry's service account was first seen out of scope.
     out_of_scope_since: BTreeMap<String, Instant>,
-    /// The entry each live Deployment was served by at the last sync.
-    last_served: BTreeMap<DeploymentKey, String>,
+    /// The entry each live Deployment was served by at the last sync (one shared copy of each
+    /// ID: this holds a slot per Deployment).
+    last_served: BTreeMap<DeploymentKey, Arc<str>>,
     /// Old entry → the entry that replaced it for some Deployment.
     superseded: BTreeMap<String, String>,
     /// Creates SPIRE refused as invalid: not sent again until the entry changes or a resync.
@@ -79,8 +80,12 @@ pub struct Memory {
     /// Entry → policy that last rendered it (status counts, after the policy is gone too).
     policy_of: BTreeMap<String, String>,
     /// A hash of the last note announced per (Deployment, reason), so an unchanged situation
-    /// is not re-announced. A hash, not the note: this holds one slot per Deployment.
-    announced: BTreeMap<(DeploymentKey, &'static str), u64>,
+    /// is not re-announced, and the full pass that last made it. A hash, not the note; and a
+    /// slot lives only while its situation does (see `workload_writes`), so a cluster at rest,
+    /// where nothing is announced, holds none.
+    announced: BTreeMap<(DeploymentKey, &'static str), (u64, u64)>,
+    /// Full `workload_writes` passes so far.
+    passes: u64,
     /// Writes whose patch failed, until the next sync settles them.
     failed_writes: Vec<FailedWrite>,
 }
@@ -149,11 +154,11 @@ impl Memory {
         announce.note.hash(&mut hasher);
         let note = hasher.finish();
         let slot = (key.clone(), announce.reason);
-        if self.announced.get(&slot) == Some(&note) {
-            return false;
+        let pass = self.passes;
+        match self.announced.insert(slot, (note, pass)) {
+            Some((before, _)) => before != note,
+            None => true,
         }
-        self.announced.insert(slot, note);
-        true
     }
 }
 
@@ -444,7 +449,9 @@ fn track_moves(
     observed: &BTreeMap<String, Entry>,
     memory: &mut Memory,
 ) {
-    let mut now_serving = BTreeMap::new();
+    // In key order, collected into a map at the end: full nodes (see `desired::compute`).
+    let mut now_serving = Vec::new();
+    let mut shared: std::collections::HashMap<&str, Arc<str>> = Default::default();
     for (key, workload) in &desired.workloads {
         if workload.deleting {
             continue;
@@ -452,15 +459,23 @@ fn track_moves(
         let Some(id) = serving.get(&workload.service_account) else {
             continue;
         };
-        if let Some(before) = memory.last_served.get(key)
-            && before != id
-            && observed.contains_key(before)
+        let before = memory.last_served.get(key);
+        if let Some(before) = before
+            && **before != **id
+            && observed.contains_key(&**before)
         {
-            memory.superseded.insert(before.clone(), id.clone());
+            memory.superseded.insert(before.to_string(), id.clone());
         }
-        now_serving.insert(key.clone(), id.clone());
+        let id = match before {
+            Some(before) if **before == **id => before.clone(),
+            _ => shared
+                .entry(id.as_str())
+                .or_insert_with(|| Arc::from(id.as_str()))
+                .clone(),
+        };
+        now_serving.push((key.clone(), id));
     }
-    memory.last_served = now_serving;
+    memory.last_served = now_serving.into_iter().collect();
     memory
         .superseded
         .retain(|old, _| observed.contains_key(old));
@@ -554,7 +569,8 @@ pub type Failures = BTreeMap<String, ItemError>;
 /// Decides the metadata and Events of the Deployments running as the service accounts in
 /// `scope` (every Deployment when `None`), from what SPIRE now holds (`observed`, updated by
 /// the writer). A scope lets the writer annotate Deployments while later SPIRE batches are
-/// still in flight.
+/// still in flight. Deployments `written` already this sync are passed over: the full pass
+/// that ends a first sync would otherwise repeat a write for every Deployment.
 pub fn workload_writes(
     desired: &Desired,
     plan: &SpirePlan,
@@ -562,6 +578,7 @@ pub fn workload_writes(
     failures: &Failures,
     memory: &mut Memory,
     scope: Option<&BTreeSet<SaKey>>,
+    written: &dyn Fn(&DeploymentKey) -> bool,
 ) -> Vec<WorkloadWrite> {
     let in_scope = |sa: &SaKey| scope.is_none_or(|scope| scope.contains(sa));
     let scope_parts: Option<std::collections::HashSet<(&str, &str)>> = scope.map(|scope| {
@@ -607,7 +624,7 @@ pub fn workload_writes(
         };
     for (key, workload) in workloads {
         let sa = &workload.service_account;
-        if !in_scope(sa) {
+        if !in_scope(sa) || written(key) {
             continue;
         }
         let account = desired.service_accounts.get(sa);
@@ -724,9 +741,11 @@ pub fn workload_writes(
         }
     }
     if scope.is_none() {
-        memory
-            .announced
-            .retain(|(key, _), _| desired.workloads.contains_key(key));
+        // What no pass of this sync announced again is over (a registration that landed, a
+        // failure that cleared): its slot goes, and the same note later is news again.
+        let pass = memory.passes;
+        memory.announced.retain(|_, (_, made)| *made == pass);
+        memory.passes += 1;
     }
     writes
 }

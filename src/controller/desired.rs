@@ -175,6 +175,10 @@ pub fn compute(
     }
     let mut live: BTreeMap<SaKey, Vec<(DeploymentKey, &DeploymentRecord)>> = BTreeMap::new();
     let mut namespace_cache: BTreeMap<Arc<str>, Option<NamespaceInfo>> = BTreeMap::new();
+    // Collected, then built in one go: a map built from sorted input has full nodes, one
+    // filled by inserts in cache order about two-thirds full (a third more memory per
+    // Deployment for the whole sync).
+    let mut workloads = Vec::with_capacity(deployments.len());
     for deployment in deployments {
         let key = deployment.key();
         let namespace = namespace_cache
@@ -188,7 +192,7 @@ pub fn compute(
                 .or_default()
                 .push((key.clone(), deployment.as_ref()));
         }
-        desired.workloads.insert(
+        workloads.push((
             key,
             Workload {
                 service_account: sa,
@@ -205,8 +209,10 @@ pub fn compute(
                     .and_then(|a| a.entry_id.clone()),
                 created: deployment.created,
             },
-        );
+        ));
     }
+    desired.workloads = workloads.into_iter().collect();
+    let mut service_accounts = Vec::with_capacity(live.len());
     for (sa, members) in live {
         let labels = namespace_cache
             .get(&sa.namespace)
@@ -252,15 +258,16 @@ pub fn compute(
                 }
             }
         };
-        desired.service_accounts.insert(
+        service_accounts.push((
             sa,
             ServiceAccount {
                 state,
                 deployments: keys,
                 losers: loser_names,
             },
-        );
+        ));
     }
+    desired.service_accounts = service_accounts.into_iter().collect();
     refuse_shared_ids(&mut desired);
     desired
 }

@@ -84,7 +84,10 @@ pub fn operations(deployment: &DeploymentRecord, change: &MetadataChange) -> Vec
     if guard_version {
         ops.insert(
             0,
-            patch::test(Target::ResourceVersion, &*deployment.resource_version),
+            patch::test(
+                Target::ResourceVersion,
+                deployment.resource_version.to_string(),
+            ),
         );
     }
     ops

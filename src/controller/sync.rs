@@ -416,6 +416,7 @@ impl<A: EntryApi> Controller<A> {
             &report.failures,
             &mut self.memory,
             None,
+            &|key| writer.wrote(key),
         );
         writer.spawn(&desired, writes);
         // Policy status does not depend on how the patches fare: written while they drain,
@@ -478,7 +479,9 @@ impl<A: EntryApi> Controller<A> {
 
     /// Applies the SPIRE writes: creates in chunks, each chunk's Deployments handed to the
     /// writer as soon as their entries exist (so annotating overlaps the next chunk), then
-    /// updates and deletes (after every create: make-before-break within one sync).
+    /// updates and deletes (after every create: make-before-break within one sync). SPIRE
+    /// is never kept waiting for the apiserver: while the writer's queue is full, a chunk's
+    /// Deployments are handed over after the last SPIRE write, as the queue drains.
     async fn apply(
         &mut self,
         term: &Term,
@@ -487,6 +490,8 @@ impl<A: EntryApi> Controller<A> {
         writer: &mut WorkloadWriter,
     ) -> ApplyReport {
         let mut report = ApplyReport::default();
+        // Created, but their Deployments not yet handed to the writer (its queue was full).
+        let mut waiting: Vec<BTreeSet<SaKey>> = Vec::new();
         // Our IDs whose entries were edited behind our back: deleted first, so their
         // replacement can take the ID.
         let creating: BTreeSet<&String> = plan.create.iter().map(|e| &e.id).collect();
@@ -525,15 +530,11 @@ impl<A: EntryApi> Controller<A> {
             if failpoint("pause-after-create") {
                 continue;
             }
-            let writes = decide::workload_writes(
-                desired,
-                plan,
-                &self.view.entries,
-                &report.failures,
-                &mut self.memory,
-                Some(&scope),
-            );
-            writer.spawn(desired, writes);
+            if writer.has_room() {
+                self.hand_over(desired, plan, &report, writer, &scope);
+            } else {
+                waiting.push(scope);
+            }
         }
         let rest = SpirePlan {
             update: plan.update.clone(),
@@ -546,6 +547,10 @@ impl<A: EntryApi> Controller<A> {
                 .apply(self.api.as_ref(), &self.settings.ownership, &rest)
                 .await;
             report.absorb(done);
+        }
+        for scope in waiting {
+            writer.room().await;
+            self.hand_over(desired, plan, &report, writer, &scope);
         }
         if !plan.create.is_empty() && failpoint("pause-after-create") {
             // Crash tests: stop between writing entries and recording them; the test SIGKILLs
@@ -575,6 +580,28 @@ impl<A: EntryApi> Controller<A> {
             warn!(%entry_id, %error, "SPIRE write failed");
         }
         report
+    }
+
+    /// Hands the writer the Deployments of `scope`'s service accounts, decided against SPIRE
+    /// as it is now.
+    fn hand_over(
+        &mut self,
+        desired: &Desired,
+        plan: &SpirePlan,
+        report: &ApplyReport,
+        writer: &mut WorkloadWriter,
+        scope: &BTreeSet<SaKey>,
+    ) {
+        let writes = decide::workload_writes(
+            desired,
+            plan,
+            &self.view.entries,
+            &report.failures,
+            &mut self.memory,
+            Some(scope),
+            &|key| writer.wrote(key),
+        );
+        writer.spawn(desired, writes);
     }
 
     fn record_plan_metrics(&self, plan: &SpirePlan) {

@@ -15,7 +15,8 @@ use kube::Client;
 use prometheus::IntCounter;
 use std::collections::HashSet;
 use std::sync::Arc;
-use tokio::sync::mpsc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 use tracing::{Instrument, info};
 
@@ -24,11 +25,20 @@ use tracing::{Instrument, info};
 /// the annotations only came later.)
 const PATCH_CONCURRENCY: usize = 16;
 
+/// Writes queued or in flight beyond which a sync hands the writer no more until it drains
+/// (`has_room`, `room`). SPIRE creates several times faster than the apiserver patches, so a
+/// cold start would otherwise queue a write per Deployment: ~500 bytes each, the largest part
+/// of the first sync's memory at 50,000 Deployments.
+const QUEUE_BOUND: usize = 2_048;
+
 pub struct WorkloadWriter {
     metrics: ControllerMetrics,
     /// Deployments already handed a write this sync: a later, wider pass computed from the
     /// same cache would only repeat it.
     written: HashSet<DeploymentKey>,
+    /// Writes queued or in flight, and a wake-up each time one completes.
+    pending: Arc<AtomicUsize>,
+    drained: Arc<Notify>,
     queue: mpsc::UnboundedSender<Job>,
     /// Runs the queue. Aborted if the writer is dropped before
     /// `finish` (a sync cancelled because leadership ended: nothing more may be written).
@@ -63,13 +73,20 @@ impl WorkloadWriter {
         deployments: DeploymentStore,
     ) -> Self {
         let (queue, jobs) = mpsc::unbounded_channel();
+        let (pending, drained) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
+        let progress = Progress {
+            pending: pending.clone(),
+            drained: drained.clone(),
+        };
         let driver = tokio::spawn(
-            drive(client, events, deployments, jobs)
+            drive(client, events, deployments, jobs, progress)
                 .instrument(tracing::info_span!("workload_writer")),
         );
         Self {
             metrics,
             written: HashSet::new(),
+            pending,
+            drained,
             queue,
             driver: Some(driver),
         }
@@ -88,11 +105,31 @@ impl WorkloadWriter {
                 .with_label_values(&[&*write.key.namespace]);
             // The driver lives until `finish` drops the queue, so this cannot fail.
             let basis = Basis::of(desired, &write.key);
+            self.pending.fetch_add(1, Ordering::Relaxed);
             let _ = self.queue.send(Job {
                 write,
                 basis,
                 registrations,
             });
+        }
+    }
+
+    /// Whether `key` was handed a write this sync.
+    pub fn wrote(&self, key: &DeploymentKey) -> bool {
+        self.written.contains(key)
+    }
+
+    /// Whether the queue is below its bound (`QUEUE_BOUND`).
+    pub fn has_room(&self) -> bool {
+        self.pending.load(Ordering::Relaxed) < QUEUE_BOUND
+    }
+
+    /// Waits until the queue is below its bound.
+    pub async fn room(&self) {
+        while !self.has_room() {
+            // The driver wakes this after every write (a stored permit at worst costs one
+            // more look).
+            self.drained.notified().await;
         }
     }
 
@@ -172,6 +209,19 @@ impl Finished {
     }
 }
 
+/// The driver's side of the queue's bound.
+struct Progress {
+    pending: Arc<AtomicUsize>,
+    drained: Arc<Notify>,
+}
+
+impl Progress {
+    fn done(&self) {
+        self.pending.fetch_sub(1, Ordering::Relaxed);
+        self.drained.notify_one();
+    }
+}
+
 /// The facts about a Deployment that a write was decided on.
 #[derive(Debug, Default)]
 struct Basis {
@@ -210,53 +260,17 @@ async fn drive(
     events: EventSink,
     deployments: DeploymentStore,
     jobs: mpsc::UnboundedReceiver<Job>,
+    progress: Progress,
 ) -> Finished {
     let mut jobs = jobs;
     futures::stream::poll_fn(move |cx| jobs.poll_recv(cx))
         .map(|job| {
             let (client, events, deployments) = (&client, &events, &deployments);
+            let progress = &progress;
             async move {
-                let Job {
-                    write,
-                    basis,
-                    registrations,
-                } = job;
-                // Gone from the cache: deleted, nothing left to write.
-                let Some(deployment) = deployments.get(&write.key.namespace, &write.key.name)
-                else {
-                    return Finished::default();
-                };
-                let entry_id = write.change.entry_id.clone().flatten();
-                if !basis.holds_for(&deployment) {
-                    tracing::debug!(deployment = %deployment.name, namespace = %deployment.namespace, "changed since the sync decided; will retry");
-                    return Finished::failed(FailedWrite {
-                        registered: entry_id.filter(|_| write.registered),
-                        key: write.key,
-                        announce: write.announce,
-                    });
-                }
-                let span = tracing::debug_span!(
-                    "write",
-                    deployment = %deployment.name,
-                    namespace = %deployment.namespace
-                );
-                let written =
-                    write_workload(client, events, deployment, write.change, write.announce)
-                        .instrument(span)
-                        .await;
-                match written {
-                    Ok(()) => {
-                        if write.registered {
-                            registrations.inc();
-                        }
-                        Finished::default()
-                    }
-                    Err(announce) => Finished::failed(FailedWrite {
-                        key: write.key,
-                        registered: entry_id.filter(|_| write.registered),
-                        announce,
-                    }),
-                }
+                let finished = write_one(client, events, deployments, job).await;
+                progress.done();
+                finished
             }
         })
         .buffer_unordered(PATCH_CONCURRENCY)
@@ -265,6 +279,54 @@ async fn drive(
             |all, this| async move { all.absorb(this) },
         )
         .await
+}
+
+/// One queued write, against the Deployment as cached now.
+async fn write_one(
+    client: &Client,
+    events: &EventSink,
+    deployments: &DeploymentStore,
+    job: Job,
+) -> Finished {
+    let Job {
+        write,
+        basis,
+        registrations,
+    } = job;
+    // Gone from the cache: deleted, nothing left to write.
+    let Some(deployment) = deployments.get(&write.key.namespace, &write.key.name) else {
+        return Finished::default();
+    };
+    let entry_id = write.change.entry_id.clone().flatten();
+    if !basis.holds_for(&deployment) {
+        tracing::debug!(deployment = %deployment.name, namespace = %deployment.namespace, "changed since the sync decided; will retry");
+        return Finished::failed(FailedWrite {
+            registered: entry_id.filter(|_| write.registered),
+            key: write.key,
+            announce: write.announce,
+        });
+    }
+    let span = tracing::debug_span!(
+        "write",
+        deployment = %deployment.name,
+        namespace = %deployment.namespace
+    );
+    let written = write_workload(client, events, deployment, write.change, write.announce)
+        .instrument(span)
+        .await;
+    match written {
+        Ok(()) => {
+            if write.registered {
+                registrations.inc();
+            }
+            Finished::default()
+        }
+        Err(announce) => Finished::failed(FailedWrite {
+            key: write.key,
+            registered: entry_id.filter(|_| write.registered),
+            announce,
+        }),
+    }
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 //! before any string. The watch decodes straight into this shape: unknown fields are skipped
 //! by the parser without being allocated, and of the annotations only ours are kept.
 
+use super::token::Token;
 use crate::controller::desired::{DeploymentKey, SaKey};
 use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
 use crate::policy::Labels;
@@ -36,9 +37,9 @@ pub struct DeploymentRecord {
     /// every key made from this record.
     pub namespace: Arc<str>,
     pub name: Arc<str>,
-    pub uid: Box<str>,
+    pub uid: Token,
     /// For patches that must not race a change they cannot express as a `test`.
-    pub resource_version: Box<str>,
+    pub resource_version: Token,
     pub created: Option<Timestamp>,
     /// Has a deletionTimestamp.
     pub deleting: bool,
@@ -71,8 +72,8 @@ impl DeploymentRecord {
         Self {
             namespace: meta.namespace.as_deref().unwrap_or_default().into(),
             name: meta.name.as_deref().unwrap_or_default().into(),
-            uid: meta.uid.as_deref().unwrap_or_default().into(),
-            resource_version: meta.resource_version.as_deref().unwrap_or_default().into(),
+            uid: Token::from(meta.uid.as_deref().unwrap_or_default()),
+            resource_version: Token::from(meta.resource_version.as_deref().unwrap_or_default()),
             created: meta.creation_timestamp.as_ref().map(|t| t.0),
             deleting: meta.deletion_timestamp.is_some(),
             service_account: service_account.into(),
@@ -358,7 +359,7 @@ mod tests {
         assert_eq!(record.spiffe_id(), Some("spiffe://td/ns/a/sa/api"));
         assert_eq!(record.entry_id(), None);
         assert!(record.has_finalizer());
-        assert_eq!(&*record.resource_version, "42");
+        assert_eq!(record.resource_version.to_string(), "42");
         assert!(record.created.is_some());
         assert!(!record.deleting);
 

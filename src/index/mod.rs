@@ -6,6 +6,7 @@
 
 pub mod deployment;
 pub mod store;
+pub mod token;
 
 pub use deployment::DeploymentRecord;
 pub use store::DeploymentStore;
@@ -97,10 +98,9 @@ impl PolicyView for Index {
 
     fn sibling_labels(&self, namespace: &str, service_account: &str, except: &str) -> Vec<Labels> {
         self.deployments
-            .in_namespace(namespace, |d| {
-                &*d.name != except && !d.deleting && &*d.service_account == service_account
-            })
+            .running_as(namespace, service_account)
             .iter()
+            .filter(|d| &*d.name != except && !d.deleting)
             .map(|d| d.labels.clone())
             .collect()
     }

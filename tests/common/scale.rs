@@ -428,6 +428,7 @@ pub async fn run(config: Config) -> Value {
     // A rollout of every Deployment: kube-controller-manager rewrites each status several
     // times. The apiserver's own request counter counts those writes; /proc counts our CPU.
     let rolled = total.min(SAMPLE);
+    progress(&format!("rolling out {rolled} Deployments"));
     let status_writes_before = status_writes(&stack);
     let cpu_before = cpu_seconds(pid);
     futures::stream::iter(0..rolled)

@@ -164,6 +164,7 @@ impl World {
             failures,
             &mut self.memory,
             None,
+            &|_| false,
         )
     }
 }
