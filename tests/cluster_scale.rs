@@ -44,7 +44,12 @@ fn env() -> &'static Env {
                 cluster_name: "scale",
                 name: "registrar",
                 extra_args: vec!["--spire-rps=0".into(), "--resync-interval=10m".into()],
-                extra_env: vec![("RUST_LOG".into(), "info".into())],
+                // A writer queue far below the fleet, so registering it takes the hand-over
+                // a cold start of 50,000 takes (writes handed to the writer as it drains).
+                extra_env: vec![
+                    ("RUST_LOG".into(), "info".into()),
+                    ("SPIFFE_REGISTRAR_WRITE_QUEUE_BOUND".into(), "16".into()),
+                ],
             };
             let registrar = Registrar::start_on(stack, port, options);
             stack.track(registrar.process.pgid());

@@ -16,6 +16,7 @@ use prometheus::IntCounter;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 use tracing::{Instrument, info};
@@ -30,6 +31,19 @@ const PATCH_CONCURRENCY: usize = 16;
 /// cold start would otherwise queue a write per Deployment: ~500 bytes each, the largest part
 /// of the first sync's memory at 50,000 Deployments.
 const QUEUE_BOUND: usize = 2_048;
+
+/// `QUEUE_BOUND`, or `SPIFFE_REGISTRAR_WRITE_QUEUE_BOUND` where set: cluster tests make it
+/// small, so a few thousand Deployments take the path that 50,000 take. Read once.
+fn queue_bound() -> usize {
+    static BOUND: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BOUND.get_or_init(|| {
+        std::env::var("SPIFFE_REGISTRAR_WRITE_QUEUE_BOUND")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|bound| *bound > 0)
+            .unwrap_or(QUEUE_BOUND)
+    })
+}
 
 pub struct WorkloadWriter {
     metrics: ControllerMetrics,
@@ -119,17 +133,18 @@ impl WorkloadWriter {
         self.written.contains(key)
     }
 
-    /// Whether the queue is below its bound (`QUEUE_BOUND`).
+    /// Whether the queue is below its bound (`queue_bound`).
     pub fn has_room(&self) -> bool {
-        self.pending.load(Ordering::Relaxed) < QUEUE_BOUND
+        self.pending.load(Ordering::Relaxed) < queue_bound()
     }
 
-    /// Waits until the queue is below its bound.
+    /// Waits until the queue is below its bound, or the driver is gone (then `finish` reports
+    /// the failure and the sync is retried; waiting would hang it).
     pub async fn room(&self) {
-        while !self.has_room() {
+        while !self.has_room() && self.driver.as_ref().is_some_and(|d| !d.is_finished()) {
             // The driver wakes this after every write (a stored permit at worst costs one
-            // more look).
-            self.drained.notified().await;
+            // more look); the timeout only notices a driver that died.
+            let _ = tokio::time::timeout(Duration::from_secs(1), self.drained.notified()).await;
         }
     }
 

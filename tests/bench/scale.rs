@@ -35,6 +35,7 @@ async fn main() {
         deployments,
         rest: Duration::from_secs(rest),
         datastore,
+        write_queue_bound: None,
     })
     .await;
     println!("{report}");

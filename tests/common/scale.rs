@@ -45,6 +45,9 @@ pub struct Config {
     /// How long to count SPIRE calls at rest (the README's figure uses 300 s).
     pub rest: Duration,
     pub datastore: Datastore,
+    /// The registrar's writer queue bound (`SPIFFE_REGISTRAR_WRITE_QUEUE_BOUND`); `None` keeps
+    /// the built-in one. A small N sets it small, so it takes the hand-over 50,000 take.
+    pub write_queue_bound: Option<usize>,
 }
 
 const REGISTRAR_NAMESPACE: &str = "registrar-system";
@@ -297,6 +300,7 @@ pub async fn run(config: Config) -> Value {
         deployments,
         rest,
         datastore,
+        write_queue_bound,
     } = config;
     let service_accounts = deployments.div_ceil(2);
     let stack = Arc::new(
@@ -393,7 +397,15 @@ pub async fn run(config: Config) -> Value {
                     cluster_name: CLUSTER,
                     name: "registrar",
                     extra_args: vec!["--spire-rps=0".into(), "--resync-interval=1h".into()],
-                    extra_env: vec![("RUST_LOG".into(), "info".into())],
+                    extra_env: [("RUST_LOG".to_string(), "info".to_string())]
+                        .into_iter()
+                        .chain(write_queue_bound.map(|bound| {
+                            (
+                                "SPIFFE_REGISTRAR_WRITE_QUEUE_BOUND".to_string(),
+                                bound.to_string(),
+                            )
+                        }))
+                        .collect(),
                 },
             )
         })
