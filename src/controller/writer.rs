@@ -50,9 +50,8 @@ pub struct WorkloadWriter {
     /// Deployments already handed a write this sync: a later, wider pass computed from the
     /// same cache would only repeat it.
     written: HashSet<DeploymentKey>,
-    /// Writes queued or in flight, and a wake-up each time one completes.
-    pending: Arc<AtomicUsize>,
-    drained: Arc<Notify>,
+    /// Writes queued or in flight, shared with the driver.
+    progress: Arc<Progress>,
     queue: mpsc::UnboundedSender<Job>,
     /// Runs the queue. Aborted if the writer is dropped before
     /// `finish` (a sync cancelled because leadership ended: nothing more may be written).
@@ -87,20 +86,15 @@ impl WorkloadWriter {
         deployments: DeploymentStore,
     ) -> Self {
         let (queue, jobs) = mpsc::unbounded_channel();
-        let (pending, drained) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
-        let progress = Progress {
-            pending: pending.clone(),
-            drained: drained.clone(),
-        };
+        let progress = Arc::new(Progress::default());
         let driver = tokio::spawn(
-            drive(client, events, deployments, jobs, progress)
+            drive(client, events, deployments, jobs, progress.clone())
                 .instrument(tracing::info_span!("workload_writer")),
         );
         Self {
             metrics,
             written: HashSet::new(),
-            pending,
-            drained,
+            progress,
             queue,
             driver: Some(driver),
         }
@@ -119,7 +113,7 @@ impl WorkloadWriter {
                 .with_label_values(&[&*write.key.namespace]);
             // The driver lives until `finish` drops the queue, so this cannot fail.
             let basis = Basis::of(desired, &write.key);
-            self.pending.fetch_add(1, Ordering::Relaxed);
+            self.progress.pending.fetch_add(1, Ordering::Relaxed);
             let _ = self.queue.send(Job {
                 write,
                 basis,
@@ -135,7 +129,7 @@ impl WorkloadWriter {
 
     /// Whether the queue is below its bound (`queue_bound`).
     pub fn has_room(&self) -> bool {
-        self.pending.load(Ordering::Relaxed) < queue_bound()
+        self.progress.pending.load(Ordering::Relaxed) < queue_bound()
     }
 
     /// Waits until the queue is below its bound, or the driver is gone (then `finish` reports
@@ -144,7 +138,8 @@ impl WorkloadWriter {
         while !self.has_room() && self.driver.as_ref().is_some_and(|d| !d.is_finished()) {
             // The driver wakes this after every write (a stored permit at worst costs one
             // more look); the timeout only notices a driver that died.
-            let _ = tokio::time::timeout(Duration::from_secs(1), self.drained.notified()).await;
+            let _ = tokio::time::timeout(Duration::from_secs(1), self.progress.drained.notified())
+                .await;
         }
     }
 
@@ -224,10 +219,12 @@ impl Finished {
     }
 }
 
-/// The driver's side of the queue's bound.
+/// The queue's fill, shared by the writer and its driver: writes queued or in flight, and a
+/// wake-up each time one completes.
+#[derive(Default)]
 struct Progress {
-    pending: Arc<AtomicUsize>,
-    drained: Arc<Notify>,
+    pending: AtomicUsize,
+    drained: Notify,
 }
 
 impl Progress {
@@ -275,7 +272,7 @@ async fn drive(
     events: EventSink,
     deployments: DeploymentStore,
     jobs: mpsc::UnboundedReceiver<Job>,
-    progress: Progress,
+    progress: Arc<Progress>,
 ) -> Finished {
     let mut jobs = jobs;
     futures::stream::poll_fn(move |cx| jobs.poll_recv(cx))
