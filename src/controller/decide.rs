@@ -22,6 +22,7 @@
 
 use super::desired::{DeploymentKey, Desired, SaKey, SaState};
 use super::record::MetadataChange;
+use super::view::Observed;
 use super::writer::FailedWrite;
 use crate::spire::{Entry, ItemError, Ownership};
 use sha2::{Digest, Sha256};
@@ -231,7 +232,7 @@ pub struct Input<'a> {
     pub settings: &'a DecideSettings,
     pub desired: &'a Desired,
     /// Our entries in SPIRE, by ID.
-    pub observed: &'a BTreeMap<String, Entry>,
+    pub observed: &'a Observed,
     pub now: Instant,
     /// The confirmation token an operator has set (see `Brake`).
     pub confirmed: Option<&'a str>,
@@ -257,7 +258,8 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
     let mut plan = SpirePlan::default();
     // SPIRE keeps one entry per (SPIFFE ID, parent, selectors): an entry of ours under another
     // ID (adopted, or from a previous cluster name) serves the same identity.
-    let by_triple: BTreeMap<Triple, &Entry> = observed.values().map(|e| (triple(e), e)).collect();
+    let by_triple: BTreeMap<Triple, &Entry> =
+        observed.values().map(|e| (triple(e), &**e)).collect();
 
     for (sa, account) in &desired.service_accounts {
         let SaState::Needs { policy, entry } = &account.state else {
@@ -268,12 +270,14 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
         // back serves no one correctly: it is replaced (the writer deletes it first).
         let tampered = observed
             .get(&entry.id)
+            .map(|e| &**e)
             .filter(|e| triple(e) != triple(entry));
         if let Some(tampered) = tampered {
             plan.delete.push(tampered.clone());
         }
         let existing = observed
             .get(&entry.id)
+            .map(|e| &**e)
             .filter(|_| tampered.is_none())
             .or_else(|| by_triple.get(&triple(entry)).copied());
         if let Some(existing) = existing {
@@ -323,6 +327,7 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
     let mut out_of_scope = BTreeSet::new();
     for entry in observed
         .values()
+        .map(|e| &**e)
         .filter(|e| !serving.contains(&e.id) && !replaced.contains(&e.id))
     {
         let sa = SaKey::of_entry(entry);
@@ -446,7 +451,7 @@ fn is_foreign(memory: &Memory, id: &str) -> bool {
 fn track_moves(
     desired: &Desired,
     serving: &BTreeMap<SaKey, String>,
-    observed: &BTreeMap<String, Entry>,
+    observed: &Observed,
     memory: &mut Memory,
 ) {
     // In key order, collected into a map at the end: full nodes (see `desired::compute`).
@@ -574,7 +579,7 @@ pub type Failures = BTreeMap<String, ItemError>;
 pub fn workload_writes(
     desired: &Desired,
     plan: &SpirePlan,
-    observed: &BTreeMap<String, Entry>,
+    observed: &Observed,
     failures: &Failures,
     memory: &mut Memory,
     scope: Option<&BTreeSet<SaKey>>,
@@ -781,7 +786,7 @@ fn needs(
     sa: &SaKey,
     entry: &Entry,
     plan: &SpirePlan,
-    observed: &BTreeMap<String, Entry>,
+    observed: &Observed,
     failures: &Failures,
     memory: &Memory,
 ) -> (MetadataChange, Option<Announce>, bool) {

@@ -254,7 +254,7 @@ pub fn compute(
                 }
                 SaState::Needs {
                     policy: policy.name_any(),
-                    entry: Arc::new(entry),
+                    entry: Arc::new(entry.shrunk()),
                 }
             }
         };

@@ -747,7 +747,7 @@ fn snapshot(settings: &ControllerSettings, index: &Index) -> Snapshot {
 pub fn plan_against(
     settings: &ControllerSettings,
     index: &Index,
-    observed: &BTreeMap<String, crate::spire::Entry>,
+    observed: &super::view::Observed,
 ) -> (Desired, SpirePlan) {
     let (desired, _) = snapshot(settings, index);
     let input = decide::Input {

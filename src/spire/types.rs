@@ -57,6 +57,31 @@ impl AsRef<Entry> for Entry {
 }
 
 impl Entry {
+    /// Without spare capacity: rendered strings (`format!`, templates) keep the slack of their
+    /// growth, and an entry desired state renders is the one the view keeps for as long as the
+    /// entry lives.
+    pub fn shrunk(mut self) -> Self {
+        for text in [
+            &mut self.id,
+            &mut self.spiffe_id,
+            &mut self.parent_id,
+            &mut self.hint,
+        ] {
+            text.shrink_to_fit();
+        }
+        for selector in &mut self.selectors {
+            selector.kind.shrink_to_fit();
+            selector.value.shrink_to_fit();
+        }
+        self.selectors.shrink_to_fit();
+        for name in self.dns_names.iter_mut().chain(&mut self.federates_with) {
+            name.shrink_to_fit();
+        }
+        self.dns_names.shrink_to_fit();
+        self.federates_with.shrink_to_fit();
+        self
+    }
+
     /// Sorts and deduplicates the set-valued fields, so two entries that SPIRE treats as the
     /// same compare equal here.
     pub fn normalize(mut self) -> Self {

@@ -27,6 +27,11 @@ ensure_prerequisites() {
     log "installing gcc (needed for spire's CGO SQLite)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev
   fi
+  # The registrar's allocator (tikv-jemalloc-sys) builds jemalloc from C with make.
+  if ! command -v make >/dev/null; then
+    log "installing make (needed to build jemalloc)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq make
+  fi
 }
 
 # build_into DIR MODULE_DIR CGO LDFLAGS PACKAGE... : builds each package's main into DIR/bin,

@@ -11,7 +11,7 @@ struct World {
     o: Ownership,
     settings: DecideSettings,
     desired: Desired,
-    observed: BTreeMap<String, Entry>,
+    observed: Observed,
     memory: Memory,
     t0: Instant,
     confirmed: Option<String>,
@@ -109,7 +109,8 @@ impl World {
     }
 
     fn in_spire(&mut self, entry: &Entry) {
-        self.observed.insert(entry.id.clone(), entry.clone());
+        self.observed
+            .insert(entry.id.clone(), Arc::new(entry.clone()));
     }
 
     /// Deployment `ns/name` (running as `sa_name`) is being deleted; its service account has no
@@ -147,12 +148,15 @@ impl World {
             self.observed.remove(&entry.id);
         }
         for entry in plan.create.iter().map(|e| &**e).chain(&plan.update) {
-            let mut stored = self.observed.get(&entry.id).cloned().unwrap_or_default();
-            stored = Entry {
-                revision_number: stored.revision_number,
+            let revision_number = self
+                .observed
+                .get(&entry.id)
+                .map_or(0, |stored| stored.revision_number);
+            let stored = Entry {
+                revision_number,
                 ..entry.clone()
             };
-            self.observed.insert(entry.id.clone(), stored);
+            self.observed.insert(entry.id.clone(), Arc::new(stored));
         }
     }
 
