@@ -168,6 +168,12 @@ fn start_controller_manager(dir: &Path, kubeconfig: &Path) -> ManagedProcess {
         "--controllers=deployment-controller,replicaset-controller,namespace-controller,garbage-collector-controller".into(),
         "--secure-port=0".into(),
         "--leader-elect=true".into(),
+        // It is the only candidate: a long term keeps it leading while 50,000 Deployments hold
+        // the apiserver busy for minutes (at the defaults, 15 s / 10 s, it lost its Lease and
+        // exited mid-benchmark on a slow machine).
+        "--leader-elect-lease-duration=120s".into(),
+        "--leader-elect-renew-deadline=100s".into(),
+        "--leader-elect-retry-period=5s".into(),
         "--kube-api-qps=500".into(),
         "--kube-api-burst=1000".into(),
         "--concurrent-deployment-syncs=10".into(),

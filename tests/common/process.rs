@@ -53,6 +53,23 @@ impl ManagedProcess {
         }
     }
 
+    /// Panics with the log's tail if the process has exited, through a shared reference (a
+    /// waiting loop that only holds the stack behind an `Arc`): an unreaped child shows as a
+    /// zombie in `/proc`.
+    pub fn assert_alive(&self) {
+        let pid = self.pgid();
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                // The state follows the command name, which is in parentheses.
+                let after_name = stat.rsplit_once(')')?.1;
+                after_name.split_whitespace().next().map(str::to_owned)
+            });
+        if pid == 0 || matches!(state.as_deref(), None | Some("Z" | "X")) {
+            panic!("{} has exited:\n{}", self.name, self.log_tail(60));
+        }
+    }
+
     /// SIGTERM to the whole group, SIGKILL after `grace`; reaps the leader.
     pub fn stop(&mut self, grace: Duration) {
         let Some(mut child) = self.child.take() else {

@@ -347,6 +347,8 @@ pub async fn run(config: Config) -> Value {
     let replica_sets: Api<ReplicaSet> = Api::all(client.clone());
     let pods: Api<Pod> = Api::all(client.clone());
     until("kube-controller-manager to settle", settling, async || {
+        // It exits when it loses its Lease to an overloaded apiserver; nothing would settle.
+        stack.kube.controller_manager.assert_alive();
         count(&replica_sets).await >= deployments && count(&pods).await >= deployments
     })
     .await;
