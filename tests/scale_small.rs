@@ -32,10 +32,16 @@ async fn the_scale_benchmark_runs_and_reports_every_figure() {
         "steady_heap_mib",
         "cpu_s_per_1000_status_updates",
         "namespace_delete_s",
+        "rollout_s",
     ] {
         let value = report[key].as_f64().unwrap_or(f64::NAN);
         assert!(value.is_finite() && value > 0.0, "{key} = {value}");
     }
+    let idle = report["cpu_s_per_min_at_rest"].as_f64().unwrap_or(f64::NAN);
+    assert!(
+        idle.is_finite() && idle >= 0.0,
+        "cpu_s_per_min_at_rest = {idle}"
+    );
     assert!(
         report["status_updates"].as_u64().unwrap_or(0) >= 550,
         "{report}"
