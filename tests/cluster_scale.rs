@@ -62,19 +62,28 @@ fn env() -> &'static Env {
     })
 }
 
-/// `DEPLOYMENTS` Deployments in `namespaces`, two per service account, all registered.
-async fn registered_fleet(s: &Scenario, namespaces: &[String]) {
-    futures::stream::iter(0..DEPLOYMENTS)
+/// Creates `count` Deployments `<prefix><i>` across `namespaces`, two per service account
+/// (`<prefix>-sa<i/2>`).
+async fn create_pairs(s: &Scenario, namespaces: &[String], prefix: &str, count: usize) {
+    futures::stream::iter(0..count)
         .for_each_concurrent(16, |i| {
             let api = s.deployments(&namespaces[(i / 2) % namespaces.len()]);
             async move {
-                let d = deployment(&format!("d{i}"), Some(&format!("sa{}", i / 2)));
+                let d = deployment(
+                    &format!("{prefix}{i}"),
+                    Some(&format!("{prefix}-sa{}", i / 2)),
+                );
                 api.create(&PostParams::default(), &d)
                     .await
                     .expect("create");
             }
         })
         .await;
+}
+
+/// `DEPLOYMENTS` Deployments in `namespaces`, two per service account, all registered.
+async fn registered_fleet(s: &Scenario, namespaces: &[String]) {
+    create_pairs(s, namespaces, "d", DEPLOYMENTS).await;
     let all = namespaces.to_vec();
     eventually("every Deployment registered", SETTLE, || {
         let all = all.clone();
@@ -137,7 +146,7 @@ async fn a_rollout_of_2000_deployments_costs_no_spire_write_and_almost_no_sync()
     let _turn = env.turn.lock().await;
     let _logs = env.stack.logs_on_panic();
     let s = Scenario::new(&env.stack.kube).await;
-    s.policy("p", s.spec("p")).await;
+    let policy = s.policy("p", s.spec("p")).await;
     let mut namespaces = Vec::new();
     for _ in 0..10 {
         namespaces.push(s.namespace(true).await);
@@ -173,6 +182,79 @@ async fn a_rollout_of_2000_deployments_costs_no_spire_write_and_almost_no_sync()
     );
     assert!(churn_syncs < 5.0, "{churn_syncs} syncs from status churn");
     assert_eq!(spire_writes(&env.registrar), writes, "no SPIRE write");
+
+    new_deployments_derive_only_their_service_accounts(env, &s, &policy, &namespaces).await;
+}
+
+/// Syncs by what they derived (`full` or `changed`).
+fn syncs_deriving(registrar: &Registrar, derive: &str) -> f64 {
+    registrar.metric("syncs_total", &[("derive", derive)])
+}
+
+/// 100 new Deployments join the registered fleet: they are registered by syncs that derive
+/// their 50 service accounts alone, no existing entry disappears meanwhile (sampled from
+/// SPIRE), and the full sync owed afterwards brings the policy's counts up to date.
+async fn new_deployments_derive_only_their_service_accounts(
+    env: &Env,
+    s: &Scenario,
+    policy: &str,
+    namespaces: &[String],
+) {
+    const NEW: usize = 100;
+    let parent = s.parent("p");
+    let entries = || {
+        env.stack
+            .spire_server
+            .entries(&["-parentID", &parent])
+            .len()
+    };
+    assert_eq!(entries(), DEPLOYMENTS / 2);
+    let (full, changed) = (
+        syncs_deriving(&env.registrar, "full"),
+        syncs_deriving(&env.registrar, "changed"),
+    );
+    create_pairs(s, namespaces, "new", NEW).await;
+    eventually("the new Deployments registered", SETTLE, || async {
+        let now = entries();
+        assert!(now >= DEPLOYMENTS / 2, "an entry vanished: {now} left");
+        if now < DEPLOYMENTS / 2 + NEW / 2 {
+            return None;
+        }
+        for ns in namespaces {
+            let list = s.deployments(ns).list(&ListParams::default()).await.ok()?;
+            let waiting = list.items.iter().any(|d| {
+                d.metadata
+                    .annotations
+                    .as_ref()
+                    .is_none_or(|a| !a.contains_key(ENTRY_ID_ANNOTATION))
+            });
+            if waiting {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    eventually("the policy to count the new ones", SETTLE, || async {
+        let status = s.policies().get(policy).await.ok()?.status?;
+        (status.entries as usize == DEPLOYMENTS / 2 + NEW / 2
+            && status.selected_workloads as usize == DEPLOYMENTS + NEW)
+            .then_some(())
+    })
+    .await;
+    let full = syncs_deriving(&env.registrar, "full") - full;
+    let changed = syncs_deriving(&env.registrar, "changed") - changed;
+    eprintln!("SCALE {NEW} new Deployments: {changed} syncs of changed accounts, {full} full");
+    assert!(changed >= 1.0, "no sync derived the changed accounts alone");
+    assert!(
+        full <= changed,
+        "{full} full derives for {changed} syncs of changed accounts"
+    );
+    assert_eq!(
+        entries(),
+        DEPLOYMENTS / 2 + NEW / 2,
+        "exactly one entry each"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

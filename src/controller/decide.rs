@@ -109,6 +109,12 @@ impl Memory {
         self.failed_writes.extend(failed);
     }
 
+    /// Whether writes whose patch failed wait to be settled (by a full derive: a scoped one
+    /// would not see them all).
+    pub fn has_failed_writes(&self) -> bool {
+        !self.failed_writes.is_empty()
+    }
+
     /// Settles the writes whose patch failed, against a snapshot taken since. A first
     /// registration that `desired` shows with the entry ID it carried did land: returned, to
     /// be counted and its Events published once (no later write repeats them, as nothing is
@@ -256,10 +262,18 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
     } = input;
     let now = *now;
     let mut plan = SpirePlan::default();
+    // A scoped derive decides for its service accounts' entries only (an entry serving the
+    // same triple has the same selectors, so it is among them).
+    let coverage = desired.coverage();
+    let covered = || {
+        observed
+            .values()
+            .map(|e| &**e)
+            .filter(|e| coverage.covers(e))
+    };
     // SPIRE keeps one entry per (SPIFFE ID, parent, selectors): an entry of ours under another
     // ID (adopted, or from a previous cluster name) serves the same identity.
-    let by_triple: BTreeMap<Triple, &Entry> =
-        observed.values().map(|e| (triple(e), &**e)).collect();
+    let by_triple: BTreeMap<Triple, &Entry> = covered().map(|e| (triple(e), e)).collect();
 
     for (sa, account) in &desired.service_accounts {
         let SaState::Needs { policy, entry } = &account.state else {
@@ -325,11 +339,7 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
     let replaced: BTreeSet<String> = plan.delete.iter().map(|e| e.id.clone()).collect();
     let mut scope_lost_due = Vec::new();
     let mut out_of_scope = BTreeSet::new();
-    for entry in observed
-        .values()
-        .map(|e| &**e)
-        .filter(|e| !serving.contains(&e.id) && !replaced.contains(&e.id))
-    {
+    for entry in covered().filter(|e| !serving.contains(&e.id) && !replaced.contains(&e.id)) {
         let sa = SaKey::of_entry(entry);
         let account = sa.as_ref().and_then(|sa| desired.service_accounts.get(sa));
         let transition = |by: &String| {
@@ -395,6 +405,33 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
             }),
         }
     }
+    if coverage.is_full() {
+        forget_what_is_gone(memory, observed, &serving, &out_of_scope);
+    } else {
+        // A scoped sync looked at its own entries only (all in SPIRE, so remembered as
+        // present): of the rest, memory is left as it is.
+        for entry in covered().filter(|e| !out_of_scope.contains(&e.id)) {
+            memory.out_of_scope_since.remove(&entry.id);
+        }
+    }
+    brake(
+        settings,
+        observed.len(),
+        scope_lost_due,
+        *confirmed,
+        &mut plan,
+    );
+    plan.recheck = recheck(&plan, now);
+    plan
+}
+
+/// After a full sync: forgets what no longer exists or applies.
+fn forget_what_is_gone(
+    memory: &mut Memory,
+    observed: &Observed,
+    serving: &BTreeSet<&String>,
+    out_of_scope: &BTreeSet<String>,
+) {
     memory
         .out_of_scope_since
         .retain(|id, _| out_of_scope.contains(id));
@@ -413,15 +450,6 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
             || rejected.contains_key(id)
             || foreign.contains_key(id)
     });
-    brake(
-        settings,
-        observed.len(),
-        scope_lost_due,
-        *confirmed,
-        &mut plan,
-    );
-    plan.recheck = recheck(&plan, now);
-    plan
 }
 
 /// Graces expire without any event, and a replacement being created shows up in SPIRE only
@@ -480,7 +508,13 @@ fn track_moves(
         };
         now_serving.push((key.clone(), id));
     }
-    memory.last_served = now_serving.into_iter().collect();
+    if desired.scope.is_some() {
+        // A scoped derive saw only its own Deployments: the others keep their slots (a
+        // removed Deployment's slot goes at the next full derive).
+        memory.last_served.extend(now_serving);
+    } else {
+        memory.last_served = now_serving.into_iter().collect();
+    }
     memory
         .superseded
         .retain(|old, _| observed.contains_key(old));
@@ -586,7 +620,10 @@ pub fn workload_writes(
     written: &dyn Fn(&DeploymentKey) -> bool,
 ) -> Vec<WorkloadWrite> {
     let in_scope = |sa: &SaKey| scope.is_none_or(|scope| scope.contains(sa));
-    let scope_parts: Option<std::collections::HashSet<(&str, &str)>> = scope.map(|scope| {
+    // A scoped derive's Deployments are all of its service accounts: the entries of no other
+    // matter to them.
+    let entries_of = scope.or(desired.scope.as_ref());
+    let scope_parts: Option<std::collections::HashSet<(&str, &str)>> = entries_of.map(|scope| {
         scope
             .iter()
             .map(|sa| (&*sa.namespace, &*sa.service_account))
@@ -745,7 +782,7 @@ pub fn workload_writes(
             });
         }
     }
-    if scope.is_none() {
+    if scope.is_none() && desired.scope.is_none() {
         // What no pass of this sync announced again is over (a registration that landed, a
         // failure that cleared): its slot goes, and the same note later is news again.
         let pass = memory.passes;

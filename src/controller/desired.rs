@@ -132,9 +132,67 @@ pub struct Desired {
     /// Policies whose selectors cannot be evaluated. Such a policy might govern any service
     /// account, so while one exists nothing is deleted for scope loss or transition.
     pub doubt: BTreeSet<String>,
+    /// The service accounts this derive covered, `None` for every one. A scoped derive (after
+    /// Deployment events) says nothing about other service accounts: decisions leave their
+    /// entries, memory and Deployments alone, and counts over all of them (policy status,
+    /// pending deletions) wait for the next full derive.
+    pub scope: Option<BTreeSet<SaKey>>,
+}
+
+/// Which of our entries a derive covered: every one, or those whose selectors name a service
+/// account in its scope. Borrowed (no allocation per entry looked at).
+pub struct Coverage<'a>(Option<std::collections::HashSet<(&'a str, &'a str)>>);
+
+impl Coverage<'_> {
+    pub fn is_full(&self) -> bool {
+        self.0.is_none()
+    }
+
+    /// Whether the derive covered the service account `entry` is for. An entry whose selectors
+    /// name no service account is covered by full derives only.
+    pub fn covers(&self, entry: &Entry) -> bool {
+        match &self.0 {
+            None => true,
+            Some(parts) => SaKey::parts_of_entry(entry).is_some_and(|p| parts.contains(&p)),
+        }
+    }
 }
 
 impl Desired {
+    /// Which entries this derive covered.
+    pub fn coverage(&self) -> Coverage<'_> {
+        Coverage(self.scope.as_ref().map(|scope| {
+            scope
+                .iter()
+                .map(|sa| (&*sa.namespace, &*sa.service_account))
+                .collect()
+        }))
+    }
+
+    /// A SPIFFE ID this scoped derive renders for one of its service accounts that `taken`
+    /// (entries SPIRE holds or refused) gives to another service account: a collision a
+    /// scoped derive cannot see on its own. Always `None` for a full derive, which compares
+    /// every service account (`refuse_shared_ids`).
+    pub fn collides_outside<'e>(&self, taken: impl Iterator<Item = &'e Entry>) -> Option<String> {
+        self.scope.as_ref()?;
+        let rendered: std::collections::HashMap<&str, &SaKey> = self
+            .service_accounts
+            .iter()
+            .filter_map(|(sa, account)| match &account.state {
+                SaState::Needs { entry, .. } => Some((entry.spiffe_id.as_str(), sa)),
+                _ => None,
+            })
+            .collect();
+        taken
+            .filter(|entry| {
+                rendered.get(entry.spiffe_id.as_str()).is_some_and(|sa| {
+                    SaKey::parts_of_entry(entry) != Some((&*sa.namespace, &*sa.service_account))
+                })
+            })
+            .map(|entry| entry.spiffe_id.clone())
+            .next()
+    }
+
     /// The entry `sa` needs, if it needs one.
     pub fn needs(&self, sa: &SaKey) -> Option<&Entry> {
         match &self.service_accounts.get(sa)?.state {
@@ -154,7 +212,7 @@ pub fn policy_problem(policy: &SpiffeRegistration) -> Option<(&'static str, Stri
         .map(|error| (error.reason(), error.to_string()))
 }
 
-/// Derives desired state from a snapshot of the caches.
+/// Derives desired state from a snapshot of the caches: every Deployment.
 pub fn compute(
     ownership: &Ownership,
     opt_in: &OptIn,
@@ -162,7 +220,23 @@ pub fn compute(
     namespaces: &dyn Fn(&str) -> Option<NamespaceInfo>,
     policies: &[Arc<SpiffeRegistration>],
 ) -> Desired {
-    let mut desired = Desired::default();
+    compute_for(ownership, opt_in, deployments, namespaces, policies, None)
+}
+
+/// Derives desired state for `scope`'s service accounts (every one when `None`), from
+/// `deployments`: every Deployment running as them, and only those.
+pub fn compute_for(
+    ownership: &Ownership,
+    opt_in: &OptIn,
+    deployments: &[Arc<DeploymentRecord>],
+    namespaces: &dyn Fn(&str) -> Option<NamespaceInfo>,
+    policies: &[Arc<SpiffeRegistration>],
+    scope: Option<BTreeSet<SaKey>>,
+) -> Desired {
+    let mut desired = Desired {
+        scope,
+        ..Desired::default()
+    };
     for policy in policies {
         if let Some((reason, message)) = policy_problem(policy) {
             if reason == "InvalidSelector" && policy.metadata.deletion_timestamp.is_none() {
@@ -457,5 +531,44 @@ mod tests {
                 ..
             }
         )));
+    }
+
+    #[test]
+    fn a_scoped_derive_sees_collisions_with_entries_of_other_service_accounts() {
+        let o = Ownership::new("c").expect("valid");
+        // Under this template b/api is `.../a/b/api`, which another policy's
+        // `spiffe://{trustDomain}/{namespace}/b/{serviceAccount}` renders for a/api.
+        let shared = Arc::new(mk_policy("shared", 1, |s| {
+            s.spiffe_id_template =
+                Some("spiffe://{trustDomain}/a/{namespace}/{serviceAccount}".into());
+        }));
+        let deployments = vec![recorded(mk_deployment("b", "web", Some("api"), &[]))];
+        let scoped = compute_for(
+            &o,
+            &OptIn::default(),
+            &deployments,
+            &enabled,
+            std::slice::from_ref(&shared),
+            Some(BTreeSet::from([sa("b", "api")])),
+        );
+        let mine = scoped.needs(&sa("b", "api")).expect("needs one").clone();
+        assert!(
+            scoped.collides_outside([&mine].into_iter()).is_none(),
+            "its own entry is no collision"
+        );
+        let theirs = Entry {
+            id: "sreg.c.other".into(),
+            selectors: sa("a", "api").selectors(),
+            ..mine.clone()
+        };
+        assert_eq!(
+            scoped.collides_outside([&mine, &theirs].into_iter()),
+            Some(mine.spiffe_id.clone())
+        );
+        let full = compute(&o, &OptIn::default(), &deployments, &enabled, &[shared]);
+        assert!(
+            full.collides_outside([&theirs].into_iter()).is_none(),
+            "a full derive compares every service account itself"
+        );
     }
 }

@@ -29,6 +29,9 @@ pub struct ControllerMetrics {
     /// `desired_state_seconds`: deriving desired state from the caches (the full recompute,
     /// O(Deployments), on the blocking pool).
     pub derive: Histogram,
+    /// `syncs_total{derive}`: syncs by what they derived: `full` (every service account) or
+    /// `changed` (only those whose Deployments changed since the last sync).
+    pub syncs: IntCounterVec,
     /// `events_dropped_total`: Events not written because the queue was full (advisory, as
     /// in Kubernetes' own event broadcaster).
     pub events_dropped: IntCounter,
@@ -104,6 +107,17 @@ impl ControllerMetrics {
             ]),
         )?;
         registry.register(Box::new(derive.clone()))?;
+        let syncs = IntCounterVec::new(
+            Opts::new(
+                "syncs_total",
+                "Syncs by what they derived: every service account (full) or the changed ones",
+            ),
+            &["derive"],
+        )?;
+        for derive in ["full", "changed"] {
+            syncs.with_label_values(&[derive]);
+        }
+        registry.register(Box::new(syncs.clone()))?;
         let events_dropped = IntCounter::new(
             "events_dropped_total",
             "Events not written because the event queue was full",
@@ -152,6 +166,7 @@ impl ControllerMetrics {
             foreign,
             events_dropped,
             derive,
+            syncs,
             leader,
             spire_reachable,
             last_success,

@@ -2,14 +2,14 @@
 //! decision lives in `decide` (pure); this file only wires it to SPIRE and Kubernetes.
 
 use super::decide::{self, DecideSettings, Memory, SpirePlan};
-use super::desired::{self, Desired, NamespaceInfo, SaKey};
+use super::desired::{self, Desired, NamespaceInfo, SaKey, SaState};
 use super::events::EventSink;
 use super::metrics::ControllerMetrics;
 use super::record::{self, event};
 use super::status::{self, Outcome, confirm_command};
 use super::view::{ApplyReport, Drift, SpireView};
 use super::writer::WorkloadWriter;
-use crate::index::Index;
+use crate::index::{Changed, Index};
 use crate::leader::{Leadership, Term};
 use crate::names::{CONFIRM_DELETIONS_ANNOTATION, CRD_NAME};
 use crate::policy::{OptIn, SpiffeRegistration};
@@ -53,10 +53,21 @@ pub struct Controller<A: EntryApi> {
     backoff: Duration,
     /// Since when SPIRE calls fail as a whole (unset once one succeeds).
     spire_failing_since: Option<Instant>,
+    /// After syncs of changed service accounts only, a full sync is owed by then: it brings
+    /// policy status and the pending-deletion counts up to date.
+    full_owed: Option<Instant>,
+    /// How long the last full sync took (paces the full syncs owed after changes).
+    last_full: Duration,
+    /// The last full derive held service accounts whose SPIFFE IDs collide: until one shows
+    /// none, every sync derives in full (a scoped derive cannot see every holder).
+    collisions_known: bool,
 }
 
 /// Why the leader woke.
 enum Wake {
+    /// Watch events: Deployments (or more) changed.
+    Changed,
+    /// A timer: resync, recheck, retry, or a full sync owed.
     Sync,
     DriftCheck,
     Probe,
@@ -85,6 +96,13 @@ const MIN_BACKOFF: Duration = Duration::from_secs(1);
 /// so annotating overlaps creating without recomputing the writes too often.
 const CREATE_CHUNK: usize = 200;
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// After a sync of changed service accounts, a full one follows within this many times the
+/// last full sync's duration, bounded below and above: status stays fresh within seconds
+/// in a small cluster, while in a large one a burst of changes does not turn into a full
+/// derive per debounce.
+const FULL_OWED_FACTOR: u32 = 10;
+const FULL_OWED_MIN: Duration = Duration::from_secs(5);
+const FULL_OWED_MAX: Duration = Duration::from_secs(60);
 
 impl<A: EntryApi> Controller<A> {
     pub fn new(
@@ -112,6 +130,9 @@ impl<A: EntryApi> Controller<A> {
             policy_events: HashMap::new(),
             backoff: MIN_BACKOFF,
             spire_failing_since: None,
+            full_owed: None,
+            last_full: Duration::ZERO,
+            collisions_known: false,
         }
     }
 
@@ -187,14 +208,15 @@ impl<A: EntryApi> Controller<A> {
                 _ = shutdown.cancelled() => return,
                 _ = trigger.notified() => {
                     tokio::time::sleep(self.settings.debounce).await;
-                    Wake::Sync
+                    Wake::Changed
                 }
                 _ = tokio::time::sleep_until(next_sync.into()) => Wake::Sync,
                 _ = tokio::time::sleep_until(next_drift_check.into()), if self.spire_failing_since.is_none() => Wake::DriftCheck,
                 _ = tokio::time::sleep(PROBE_INTERVAL), if self.spire_failing_since.is_some() => Wake::Probe,
             };
+            let changes_only = matches!(wake, Wake::Changed);
             match wake {
-                Wake::Sync => {}
+                Wake::Changed | Wake::Sync => {}
                 Wake::DriftCheck => {
                     next_drift_check = Instant::now() + DRIFT_CHECK_INTERVAL;
                     if !self.drifted().await {
@@ -213,11 +235,11 @@ impl<A: EntryApi> Controller<A> {
             }
             // The drift check keeps its own schedule: in a busy cluster syncs never stop, and
             // a sync that did not re-list has not looked at SPIRE.
-            let outcome = self
-                .sync_once(term)
+            let (outcome, derived) = self
+                .sync_once(term, changes_only)
                 .instrument(tracing::info_span!("sync"))
                 .await;
-            next_sync = Instant::now()
+            let after = Instant::now()
                 + match outcome {
                     Next::Idle { recheck } => {
                         self.backoff = MIN_BACKOFF;
@@ -232,6 +254,20 @@ impl<A: EntryApi> Controller<A> {
                     }
                     Next::RetryAfter(delay) => delay,
                 };
+            next_sync = match derived {
+                Derived::Full => after,
+                // A sync of some service accounts only looked at their rechecks: it never
+                // postpones what is already scheduled, and a full sync is owed.
+                Derived::Changed => {
+                    let owed = *self.full_owed.get_or_insert_with(|| {
+                        Instant::now()
+                            + (self.last_full * FULL_OWED_FACTOR)
+                                .clamp(FULL_OWED_MIN, FULL_OWED_MAX)
+                    });
+                    next_sync.min(after).min(owed)
+                }
+                Derived::Nothing => next_sync,
+            };
             if self.should_step_down(useful) {
                 return;
             }
@@ -321,16 +357,40 @@ impl<A: EntryApi> Controller<A> {
         delay / 2 + delay.mul_f64(rand::random_range(0.0..0.5))
     }
 
-    /// Derives desired state on the blocking pool: at 50,000 Deployments it is tens of
-    /// milliseconds of CPU, which must not stall the webhook or the watches.
-    async fn desired(&self) -> Snapshot {
+    /// Derives desired state (for `scope`'s service accounts, or all) on the blocking pool: at
+    /// 50,000 Deployments a full derive is hundreds of milliseconds of CPU, which must not
+    /// stall the webhook or the watches.
+    async fn desired(&self, scope: Option<BTreeSet<SaKey>>) -> Snapshot {
         let (settings, index) = (self.settings.clone(), self.index.clone());
-        let timer = self.metrics.derive.start_timer();
-        let snapshot = tokio::task::spawn_blocking(move || snapshot(&settings, &index))
+        let timer = scope.is_none().then(|| self.metrics.derive.start_timer());
+        let snapshot = tokio::task::spawn_blocking(move || snapshot(&settings, &index, scope))
             .await
             .expect("deriving desired state does not panic");
-        timer.observe_duration();
+        if let Some(timer) = timer {
+            timer.observe_duration();
+        }
         snapshot
+    }
+
+    /// What this sync derives: the service accounts whose Deployments changed, when it was
+    /// woken by Deployment events alone and nothing calls for more; otherwise every one.
+    fn scope(
+        &self,
+        changes_only: bool,
+        changed: Changed,
+        relisted: bool,
+    ) -> Option<BTreeSet<SaKey>> {
+        match changed {
+            Changed::Accounts(accounts)
+                if changes_only
+                    && !relisted
+                    && !self.memory.has_failed_writes()
+                    && !self.collisions_known =>
+            {
+                Some(accounts)
+            }
+            _ => None,
+        }
     }
 
     fn decide(&mut self, desired: &Desired) -> SpirePlan {
@@ -345,19 +405,75 @@ impl<A: EntryApi> Controller<A> {
         decide::spire_plan(&input, &mut self.memory)
     }
 
-    async fn sync_once(&mut self, term: &Term) -> Next {
+    async fn sync_once(&mut self, term: &Term, changes_only: bool) -> (Next, Derived) {
         let started = Instant::now();
+        // Taken before the caches are read: a change after this point wakes the next sync.
+        let changed = self.index.changes.take();
+        let relisted = self.view.stale(self.settings.resync_interval);
+        let scope = self.scope(changes_only, changed, relisted);
+        if scope.as_ref().is_some_and(BTreeSet::is_empty) {
+            // Woken by an event whose change an earlier sync already covered.
+            return (Next::Idle { recheck: None }, Derived::Nothing);
+        }
+        let next = self.sync_derived(term, scope).await;
+        let derived = next.1;
+        self.metrics
+            .syncs
+            .with_label_values(&[derived.label()])
+            .inc();
+        self.metrics
+            .reconcile
+            .observe(started.elapsed().as_secs_f64());
+        if derived == Derived::Full {
+            self.last_full = started.elapsed();
+            self.full_owed = None;
+        }
+        next
+    }
+
+    /// One sync over `scope`'s service accounts (every one when `None`); says which it did.
+    async fn sync_derived(
+        &mut self,
+        term: &Term,
+        scope: Option<BTreeSet<SaKey>>,
+    ) -> (Next, Derived) {
         if self.view.stale(self.settings.resync_interval) {
             if let Err(error) = self.view.refresh(self.api.as_ref()).await {
                 warn!(%error, "listing our SPIRE entries failed; nothing is written until it succeeds");
                 self.spire_answered(!error.is_transient());
-                return Next::RetryAfter(self.next_backoff());
+                return (Next::RetryAfter(self.next_backoff()), Derived::Full);
             }
             self.spire_answered(true);
             self.memory.forget_spire_answers();
             debug!(entries = self.view.entries.len(), "refreshed SPIRE view");
         }
-        let (desired, policies) = self.desired().await;
+        let accounts = scope.as_ref().map(BTreeSet::len);
+        let (mut desired, mut policies) = self.desired(scope).await;
+        let taken = self
+            .view
+            .entries
+            .values()
+            .map(|e| &**e)
+            .chain(self.memory.rejected.values().map(|(e, _)| e));
+        if let Some(spiffe_id) = desired.collides_outside(taken) {
+            info!(%spiffe_id, "a changed service account would share a SPIFFE ID with another; deriving in full");
+            (desired, policies) = self.desired(None).await;
+        }
+        let derived = if desired.scope.is_some() {
+            Derived::Changed
+        } else {
+            self.collisions_known = desired.service_accounts.values().any(|a| {
+                matches!(
+                    a.state,
+                    SaState::Invalid {
+                        reason: "SpiffeIDCollision",
+                        ..
+                    }
+                )
+            });
+            Derived::Full
+        };
+        debug!(derive = derived.label(), accounts, "derived desired state");
         for landed in self.memory.settle_failed_writes(&desired) {
             self.metrics
                 .registrations
@@ -407,7 +523,10 @@ impl<A: EntryApi> Controller<A> {
                 .insert(entry.id.clone(), (entry.clone(), reason.clone()));
         }
         self.metrics.entries.set(self.view.entries.len() as i64);
-        self.record_plan_metrics(&plan);
+        if derived == Derived::Full {
+            // Counts over every entry: a scoped plan holds only its own.
+            self.record_plan_metrics(&plan);
+        }
 
         let writes = decide::workload_writes(
             &desired,
@@ -428,26 +547,27 @@ impl<A: EntryApi> Controller<A> {
             failures: &report.failures,
             memory: &self.memory,
         };
-        let statuses: Vec<_> = policies
-            .iter()
-            .map(|p| (p.clone(), status::compute(p, &outcome)))
-            .collect();
-        self.record_policies(&desired, &plan, statuses).await;
+        if derived == Derived::Full {
+            // Status counts every service account: written by full syncs only.
+            let statuses: Vec<_> = policies
+                .iter()
+                .map(|p| (p.clone(), status::compute(p, &outcome)))
+                .collect();
+            self.record_policies(&desired, &plan, statuses).await;
+        }
         let recheck = plan.recheck;
         drop((desired, plan));
         let finished = writer.finish().await;
         self.memory.failed_writes(finished.failed);
         let patch_failed = finished.patch_failed;
-        self.metrics
-            .reconcile
-            .observe(started.elapsed().as_secs_f64());
-        if report.has_retryable() || patch_failed {
+        let next = if report.has_retryable() || patch_failed {
             Next::RetryAfter(self.next_backoff())
         } else if learned_foreign && self.settings.decide.adopt {
             Next::RetryAfter(Duration::ZERO)
         } else {
             Next::Idle { recheck }
-        }
+        };
+        (next, derived)
     }
 
     /// Reads the operator's confirmation from the CRD; true when it now confirms `token`.
@@ -723,22 +843,57 @@ fn failpoint(name: &str) -> bool {
         == Some(name)
 }
 
-/// The desired state, and the cache contents it was derived from.
+/// What a sync derived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Derived {
+    /// Every service account.
+    Full,
+    /// Only those whose Deployments changed since the last sync.
+    Changed,
+    /// Nothing: the change was already covered.
+    Nothing,
+}
+
+impl Derived {
+    fn label(self) -> &'static str {
+        match self {
+            Derived::Full => "full",
+            Derived::Changed | Derived::Nothing => "changed",
+        }
+    }
+}
+
 /// Desired state and the policies it was derived from. The Deployment records it was derived
 /// from are not kept: writes read the cache as it is when they are sent.
 type Snapshot = (Desired, Vec<Arc<SpiffeRegistration>>);
 
-/// The caches' current contents and the desired state derived from them.
-fn snapshot(settings: &ControllerSettings, index: &Index) -> Snapshot {
-    let deployments = index.deployments.state();
+/// Desired state for `scope`'s service accounts (every one when `None`), from the caches'
+/// current contents: a scoped derive reads only the Deployments running as them.
+fn snapshot(
+    settings: &ControllerSettings,
+    index: &Index,
+    scope: Option<BTreeSet<SaKey>>,
+) -> Snapshot {
+    let deployments = match &scope {
+        None => index.deployments.state(),
+        Some(accounts) => accounts
+            .iter()
+            .flat_map(|sa| {
+                index
+                    .deployments
+                    .running_as(&sa.namespace, &sa.service_account)
+            })
+            .collect(),
+    };
     let policies = index.policies.state();
     let namespaces = |ns: &str| -> Option<NamespaceInfo> { index.namespace_info(ns) };
-    let desired = desired::compute(
+    let desired = desired::compute_for(
         &settings.ownership,
         &settings.opt_in,
         &deployments,
         &namespaces,
         &policies,
+        scope,
     );
     (desired, policies)
 }
@@ -749,7 +904,7 @@ pub fn plan_against(
     index: &Index,
     observed: &super::view::Observed,
 ) -> (Desired, SpirePlan) {
-    let (desired, _) = snapshot(settings, index);
+    let (desired, _) = snapshot(settings, index, None);
     let input = decide::Input {
         ownership: &settings.ownership,
         settings: &settings.decide,

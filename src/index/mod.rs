@@ -4,10 +4,12 @@
 //! coalescing, never dropped), the controller's cue to re-derive desired state. The webhook reads the same caches; nothing here does I/O on
 //! a request path.
 
+pub mod changes;
 pub mod deployment;
 pub mod store;
 pub mod token;
 
+pub use changes::{Changed, Changes};
 pub use deployment::DeploymentRecord;
 pub use store::DeploymentStore;
 
@@ -54,6 +56,8 @@ pub struct Index {
     pub namespaces: Store<Namespace>,
     pub policies: Store<SpiffeRegistration>,
     pub deployments: DeploymentStore,
+    /// What changed since the controller last derived desired state.
+    pub changes: Changes,
     /// True once every cache has listed. kube-runtime's `Store::wait_until_ready` wakes only
     /// one waiter (a oneshot inside), so one task waits on the stores and tells everyone else.
     synced: tokio::sync::watch::Receiver<bool>,
@@ -129,6 +133,7 @@ pub fn start(
 ) -> (Index, Vec<JoinHandle<()>>) {
     let (namespaces, ns_writer) = reflector::store();
     let (policies, policy_writer) = reflector::store();
+    let changes = Changes::default();
     let mut tasks = Vec::new();
 
     // Only opted-in namespaces are cached; losing the label reads as a delete.
@@ -137,7 +142,12 @@ pub fn start(
         .default_backoff()
         .modify(trim_metadata)
         .reflect(ns_writer);
-    tasks.push(spawn_drain("namespaces", ns_stream, trigger.clone()));
+    tasks.push(spawn_drain(
+        "namespaces",
+        ns_stream,
+        trigger.clone(),
+        changes.clone(),
+    ));
 
     let policy_stream = watcher(
         Api::<SpiffeRegistration>::all(client.clone()),
@@ -150,11 +160,12 @@ pub fn start(
         "spiffe_registrations",
         policy_stream,
         trigger.clone(),
+        changes.clone(),
     ));
 
     // Only changes a decision reads wake the controller: the store tells them apart as it
     // applies each event.
-    let (deployments, deployment_writer) = store::store();
+    let (deployments, deployment_writer) = store::store_telling(changes.clone());
     let deployment_stream = watcher(
         Api::<WatchedDeployment>::all(client),
         watcher::Config::default().page_size(DEPLOYMENT_LIST_PAGE),
@@ -183,6 +194,7 @@ pub fn start(
         namespaces,
         policies,
         deployments,
+        changes,
         synced: synced_rx,
     };
     let waiting = index.clone();
@@ -199,9 +211,15 @@ pub fn start(
     (index, tasks)
 }
 
-/// Drives a reflector stream, poking the trigger on every event; watch errors are logged
-/// (the backoff retries them) and never end the stream.
-fn spawn_drain<S, K>(kind: &'static str, stream: S, trigger: Arc<Notify>) -> JoinHandle<()>
+/// Drives a reflector stream, poking the trigger on every event (a namespace or a policy
+/// can change any service account's identity: each event calls for a full derive); watch
+/// errors are logged (the backoff retries them) and never end the stream.
+fn spawn_drain<S, K>(
+    kind: &'static str,
+    stream: S,
+    trigger: Arc<Notify>,
+    changes: Changes,
+) -> JoinHandle<()>
 where
     S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
     K: Send + 'static,
@@ -210,7 +228,10 @@ where
         let mut stream = std::pin::pin!(stream);
         while let Some(event) = stream.next().await {
             match event {
-                Ok(_) => trigger.notify_one(),
+                Ok(_) => {
+                    changes.everything();
+                    trigger.notify_one();
+                }
                 Err(error) => tracing::warn!(kind, %error, "watch failed; retrying with backoff"),
             }
         }

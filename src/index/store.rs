@@ -3,6 +3,7 @@
 //! anything a decision reads, and answers "the other Deployments of this service account"
 //! from one namespace rather than from the whole cluster.
 
+use super::changes::Changes;
 use super::deployment::{DeploymentRecord, WatchedDeployment};
 use kube::runtime::watcher;
 use std::collections::{HashMap, HashSet};
@@ -167,9 +168,16 @@ pub struct DeploymentStore {
 pub struct DeploymentStoreWriter {
     contents: Arc<RwLock<Contents>>,
     ready: watch::Sender<bool>,
+    /// Told which service accounts each event touched.
+    changes: Changes,
 }
 
 pub fn store() -> (DeploymentStore, DeploymentStoreWriter) {
+    store_telling(Changes::default())
+}
+
+/// A store whose writer tells `changes` what each event touched.
+pub fn store_telling(changes: Changes) -> (DeploymentStore, DeploymentStoreWriter) {
     let contents = Arc::new(RwLock::new(Contents::default()));
     let (tx, rx) = watch::channel(false);
     (
@@ -180,6 +188,7 @@ pub fn store() -> (DeploymentStore, DeploymentStoreWriter) {
         DeploymentStoreWriter {
             contents,
             ready: tx,
+            changes,
         },
     )
 }
@@ -261,15 +270,28 @@ impl DeploymentStoreWriter {
                 let key = (record.namespace.clone(), record.name.clone());
                 let previous = insert(by_namespace, shared, record);
                 let stored = &by_namespace[&key.0].records[&key.1];
-                previous.is_none_or(|old| old.differs_for_decisions(stored))
+                let changed = previous
+                    .as_ref()
+                    .is_none_or(|old| old.differs_for_decisions(stored));
+                if changed {
+                    self.changes.account(stored.service_account_key());
+                    if let Some(old) =
+                        previous.filter(|old| old.service_account != stored.service_account)
+                    {
+                        // Moved to another service account: the old one lost a Deployment.
+                        self.changes.account(old.service_account_key());
+                    }
+                }
+                changed
             }
             watcher::Event::Delete(object) => {
                 let record = object.record();
                 let mut contents = self.write();
                 let namespace = contents.by_namespace.get_mut(&*record.namespace);
-                let removed = namespace.and_then(|n| n.remove(&record.name)).is_some();
-                if removed {
+                let removed = namespace.and_then(|n| n.remove(&record.name));
+                if let Some(removed) = &removed {
                     contents.shared.released();
+                    self.changes.account(removed.service_account_key());
                 }
                 if contents
                     .by_namespace
@@ -278,7 +300,7 @@ impl DeploymentStoreWriter {
                 {
                     contents.by_namespace.remove(&*record.namespace);
                 }
-                removed
+                removed.is_some()
             }
             watcher::Event::Init => {
                 self.write().relisting = Some(HashMap::new());
@@ -302,6 +324,8 @@ impl DeploymentStoreWriter {
                     contents.by_namespace = contents.relisting.take().unwrap_or_default();
                     contents.shared.sweep();
                 }
+                // A relist may have missed deletions and edits: only a full derive is sure.
+                self.changes.everything();
                 self.ready.send_replace(true);
                 true
             }
@@ -381,6 +405,38 @@ mod tests {
         writer.apply(watcher::Event::InitDone);
         assert_eq!(store.len(), 1);
         assert!(store.get("c", "new").is_some());
+    }
+
+    #[tokio::test]
+    async fn each_event_tells_which_service_accounts_it_touched() {
+        use crate::controller::desired::SaKey;
+        use crate::index::{Changed, Changes};
+        let sa = |ns: &str, name: &str| SaKey {
+            namespace: ns.into(),
+            service_account: name.into(),
+        };
+        let accounts = |keys: &[SaKey]| Changed::Accounts(keys.iter().cloned().collect());
+        let changes = Changes::default();
+        let (_store, writer) = store_telling(changes.clone());
+        writer.apply(watcher::Event::Init);
+        writer.apply(watcher::Event::InitApply(watched("a", "web", "api", "1")));
+        writer.apply(watcher::Event::InitDone);
+        assert_eq!(changes.take(), Changed::Everything, "a (re)list: full");
+
+        writer.apply(watcher::Event::Apply(watched("a", "web", "api", "2")));
+        assert_eq!(changes.take(), accounts(&[]), "no change a decision reads");
+        writer.apply(watcher::Event::Apply(watched("a", "db", "api", "3")));
+        writer.apply(watcher::Event::Apply(watched("b", "x", "ops", "4")));
+        assert_eq!(changes.take(), accounts(&[sa("a", "api"), sa("b", "ops")]));
+        writer.apply(watcher::Event::Apply(watched("a", "web", "other", "5")));
+        assert_eq!(
+            changes.take(),
+            accounts(&[sa("a", "api"), sa("a", "other")]),
+            "a move touches the account it left too"
+        );
+        writer.apply(watcher::Event::Delete(watched("b", "x", "ops", "6")));
+        writer.apply(watcher::Event::Delete(watched("b", "x", "ops", "6")));
+        assert_eq!(changes.take(), accounts(&[sa("b", "ops")]));
     }
 
     #[tokio::test]

@@ -131,10 +131,17 @@ impl World {
     }
 
     fn decide(&mut self, at: u64) -> SpirePlan {
+        let desired = std::mem::take(&mut self.desired);
+        let plan = self.decide_on(&desired, at);
+        self.desired = desired;
+        plan
+    }
+
+    fn decide_on(&mut self, desired: &Desired, at: u64) -> SpirePlan {
         let input = Input {
             ownership: &self.o,
             settings: &self.settings,
-            desired: &self.desired,
+            desired,
             observed: &self.observed,
             now: self.t0 + Duration::from_secs(at),
             confirmed: self.confirmed.as_deref(),
@@ -806,5 +813,102 @@ fn a_failed_write_is_counted_and_announced_once_if_a_later_sync_sees_it_landed()
     assert!(
         w.memory.settle_failed_writes(&w.desired).is_empty(),
         "settled once"
+    );
+}
+
+impl World {
+    /// Decides as a sync of `accounts` alone would: desired state derived for them only.
+    fn decide_scoped(&mut self, at: u64, accounts: &[(&str, &str)]) -> SpirePlan {
+        let scope: BTreeSet<SaKey> = accounts.iter().map(|(ns, name)| sa(ns, name)).collect();
+        let mut desired = self.desired.clone();
+        desired
+            .service_accounts
+            .retain(|key, _| scope.contains(key));
+        desired
+            .workloads
+            .retain(|_, w| scope.contains(&w.service_account));
+        desired.scope = Some(scope);
+        self.decide_on(&desired, at)
+    }
+}
+
+#[test]
+fn a_scoped_sync_decides_for_its_service_accounts_alone() {
+    let mut w = World::new();
+    let served = w.needs("a", "x", &["web"], "spiffe://td/p");
+    w.in_spire(&served);
+    // Nothing runs as a/y or a/z any more: a full sync deletes both entries.
+    let elsewhere = rendered(&w.o, "a", "y", "spiffe://td/p");
+    let orphan = rendered(&w.o, "a", "z", "spiffe://td/p");
+    w.in_spire(&elsewhere);
+    w.in_spire(&orphan);
+    let fresh = w.needs("b", "new", &["api"], "spiffe://td/p");
+
+    let plan = w.decide_scoped(0, &[("a", "x"), ("a", "z"), ("b", "new")]);
+    assert_eq!(created(&plan), vec![fresh], "its missing entry is created");
+    assert_eq!(
+        ids(&plan.delete),
+        vec![orphan.id.as_str()],
+        "only its own orphan goes: a/y was not looked at"
+    );
+    assert!(plan.pending.is_empty());
+    assert_eq!(plan.serving.len(), 2);
+    let full = w.decide(0);
+    assert_eq!(
+        ids(&full.delete),
+        {
+            let mut both = vec![orphan.id.as_str(), elsewhere.id.as_str()];
+            both.sort_unstable();
+            both
+        },
+        "the full sync that follows sees a/y too"
+    );
+}
+
+#[test]
+fn a_scoped_sync_keeps_the_clocks_of_what_it_did_not_look_at() {
+    let mut w = World::new();
+    let lost = rendered(&w.o, "a", "lost", "spiffe://td/p");
+    w.in_spire(&lost);
+    w.account("a", "lost", &["web"], SaState::OutOfScope);
+    let other = w.needs("a", "other", &["api"], "spiffe://td/p");
+    w.in_spire(&other);
+    assert_eq!(whys(&w.decide(0)), vec![(lost.id.as_str(), "scope_loss")]);
+
+    let scoped = w.decide_scoped(SCOPE / 2, &[("a", "other")]);
+    assert_eq!(scoped.writes(), 0);
+    assert!(
+        scoped.pending.is_empty(),
+        "a scoped plan holds only its own pending deletions"
+    );
+    assert_eq!(
+        ids(&w.decide(SCOPE).delete),
+        vec![lost.id.as_str()],
+        "the grace that started at 0 is not restarted by a sync that did not look at it"
+    );
+}
+
+#[test]
+fn a_service_account_change_seen_by_a_scoped_sync_is_a_transition() {
+    let mut w = World::new();
+    let old = w.needs("a", "old-sa", &["web"], "spiffe://td/p");
+    let bystander = w.needs("b", "api", &["api"], "spiffe://td/p");
+    w.in_spire(&old);
+    w.in_spire(&bystander);
+    w.decide(0);
+    // web now runs as new-sa: its watch event marks both accounts changed.
+    w.desired.service_accounts.remove(&sa("a", "old-sa"));
+    let new = w.needs("a", "new-sa", &["web"], "spiffe://td/p");
+    let plan = w.decide_scoped(1, &[("a", "old-sa"), ("a", "new-sa")]);
+    assert_eq!(created(&plan), vec![new.clone()]);
+    assert!(plan.delete.is_empty(), "make-before-break");
+    w.apply(&plan);
+    assert!(w.decide_scoped(2, &[("a", "new-sa")]).delete.is_empty());
+    let later = w.decide(2 + GRACE);
+    assert_eq!(ids(&later.delete), vec![old.id.as_str()]);
+    assert_eq!(
+        later.serving[&sa("b", "api")],
+        bystander.id,
+        "the bystander's slot survived the scoped syncs"
     );
 }

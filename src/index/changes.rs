@@ -1,0 +1,89 @@
+//! What changed since the controller last looked: the service accounts whose Deployments
+//! changed in a way a decision reads, or "everything" (a relist, a namespace or policy event,
+//! a fresh start). The controller takes it at the start of a sync and derives desired state
+//! for those service accounts alone, so a burst of new Deployments costs work and memory in
+//! proportion to the burst, not to the cluster.
+//!
+//! ```text
+//! Deployment watch ─ account(ns/SA) ─┐
+//! Namespace / policy watch, relist ─ everything() ─┼─▶ Changes ─ take() ─▶ controller
+//! ```
+
+use crate::controller::desired::SaKey;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+/// The changes accumulated since the last `take`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Changed {
+    /// Anything may have changed: only a full derive is correct.
+    Everything,
+    /// Only Deployments running as these service accounts changed (possibly none).
+    Accounts(BTreeSet<SaKey>),
+}
+
+/// Shared between the watch tasks (writers) and the controller (taker). Starts as
+/// `Everything`: nothing has been derived yet.
+#[derive(Clone, Debug)]
+pub struct Changes(Arc<Mutex<Changed>>);
+
+impl Default for Changes {
+    fn default() -> Self {
+        Self(Arc::new(Mutex::new(Changed::Everything)))
+    }
+}
+
+impl Changes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Changed> {
+        // Every critical section is one assignment or insert: a poisoned value is whole.
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Something other than a Deployment changed (or the Deployment cache was relisted).
+    pub fn everything(&self) {
+        *self.lock() = Changed::Everything;
+    }
+
+    /// A Deployment running as `sa` changed (was added, edited, or removed).
+    pub fn account(&self, sa: SaKey) {
+        if let Changed::Accounts(accounts) = &mut *self.lock() {
+            accounts.insert(sa);
+        }
+    }
+
+    /// What changed since the last call; resets to "nothing".
+    pub fn take(&self) -> Changed {
+        std::mem::replace(&mut *self.lock(), Changed::Accounts(BTreeSet::new()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sa(name: &str) -> SaKey {
+        SaKey {
+            namespace: "ns".into(),
+            service_account: name.into(),
+        }
+    }
+
+    #[test]
+    fn accounts_accumulate_until_taken_and_everything_absorbs_them() {
+        let changes = Changes::default();
+        assert_eq!(changes.take(), Changed::Everything, "a fresh start is full");
+        assert_eq!(changes.take(), Changed::Accounts(BTreeSet::new()));
+        changes.account(sa("a"));
+        changes.account(sa("b"));
+        changes.account(sa("a"));
+        assert_eq!(
+            changes.take(),
+            Changed::Accounts(BTreeSet::from([sa("a"), sa("b")]))
+        );
+        changes.account(sa("a"));
+        changes.everything();
+        changes.account(sa("c"));
+        assert_eq!(changes.take(), Changed::Everything);
+        assert_eq!(changes.take(), Changed::Accounts(BTreeSet::new()));
+    }
+}
