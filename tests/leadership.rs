@@ -444,3 +444,59 @@ async fn a_leader_cut_off_from_the_apiserver_stops_writing_at_its_renew_deadline
     eprintln!("apiserver cut: old leader fenced after {fenced:?}, new leader after {took_over:?}");
     drop(proxy);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_outage_seen_only_by_a_drift_check_costs_no_sync() {
+    let stack = Stack::shared();
+    let home = home(stack).await;
+    let (proxy, via_proxy) = spire_proxy(stack).await;
+    let only = home.replica(
+        stack,
+        "only",
+        &[&via_proxy, "--spire-unusable-after=60s"],
+        &[],
+        None,
+    );
+    home.wait_holder("only", WAIT).await;
+    let (scenario, ns) = workloads(stack, &home).await;
+    scenario.registered(&ns, "one", "one").await;
+    let syncs = || {
+        (
+            only.metric("syncs_total", &[("derive", "full")]),
+            only.metric("syncs_total", &[("derive", "changed")]),
+        )
+    };
+    let checks = |result: &str| only.metric("drift_checks_total", &[("result", result)]);
+    // At rest: no sync between two drift checks.
+    let mut last = (syncs(), checks("match"));
+    eventually("the registrar to rest", WAIT, || {
+        let now = (syncs(), checks("match"));
+        let rested = now.1 > last.1 && now.0 == last.0;
+        if now.1 > last.1 {
+            last = now;
+        }
+        async move { rested.then_some(()) }
+    })
+    .await;
+    let at_rest = syncs();
+
+    proxy.cut();
+    eventually("a drift check to fail", WAIT, || async {
+        (only.metric("spire_reachable", &[]) == 0.0).then_some(())
+    })
+    .await;
+    proxy.restore();
+    let matched = checks("match");
+    eventually("SPIRE back and the count matching", WAIT, || async {
+        (only.metric("spire_reachable", &[]) == 1.0 && checks("match") > matched).then_some(())
+    })
+    .await;
+    assert!(checks("error") >= 1.0);
+    assert_eq!(
+        syncs(),
+        at_rest,
+        "SPIRE holds what the registrar expects: nothing to sync"
+    );
+    // And the registrar still works.
+    scenario.registered(&ns, "two", "two").await;
+}

@@ -629,9 +629,9 @@ pub fn workload_writes(
             .map(|sa| (&*sa.namespace, &*sa.service_account))
             .collect()
     });
-    // Entries of ours per service account, as SPIRE has them now (a scoped pass allocates a
-    // key only for its own service accounts).
-    let mut remaining: BTreeMap<SaKey, Vec<&Entry>> = BTreeMap::new();
+    // Entries of ours per service account, as SPIRE has them now, keyed by strings the
+    // entries hold (no key allocated per entry; a scoped pass keeps only its own).
+    let mut remaining: std::collections::HashMap<(&str, &str), Vec<&Entry>> = Default::default();
     for entry in observed.values() {
         let Some(parts) = SaKey::parts_of_entry(entry) else {
             continue;
@@ -639,9 +639,7 @@ pub fn workload_writes(
         if scope_parts.as_ref().is_some_and(|s| !s.contains(&parts)) {
             continue;
         }
-        if let Some(sa) = SaKey::of_entry(entry) {
-            remaining.entry(sa).or_default().push(entry);
-        }
+        remaining.entry(parts).or_default().push(entry);
     }
     let pending: BTreeMap<&str, &Why> = plan
         .pending
@@ -670,7 +668,10 @@ pub fn workload_writes(
             continue;
         }
         let account = desired.service_accounts.get(sa);
-        let ours_left = remaining.get(sa).map(Vec::as_slice).unwrap_or_default();
+        let ours_left = remaining
+            .get(&(&*sa.namespace, &*sa.service_account))
+            .map(Vec::as_slice)
+            .unwrap_or_default();
         let (mut change, announce, registered) = match (
             workload.deleting,
             account.map(|a| &a.state),

@@ -220,11 +220,20 @@ pub fn compute(
     namespaces: &dyn Fn(&str) -> Option<NamespaceInfo>,
     policies: &[Arc<SpiffeRegistration>],
 ) -> Desired {
-    compute_for(ownership, opt_in, deployments, namespaces, policies, None)
+    compute_for(
+        ownership,
+        opt_in,
+        deployments,
+        namespaces,
+        policies,
+        None,
+        &BTreeMap::new(),
+    )
 }
 
 /// Derives desired state for `scope`'s service accounts (every one when `None`), from
-/// `deployments`: every Deployment running as them, and only those.
+/// `deployments`: every Deployment running as them, and only those. An entry rendered exactly
+/// as one in `known` (our entries in SPIRE, by ID) is that one, shared.
 pub fn compute_for(
     ownership: &Ownership,
     opt_in: &OptIn,
@@ -232,6 +241,7 @@ pub fn compute_for(
     namespaces: &dyn Fn(&str) -> Option<NamespaceInfo>,
     policies: &[Arc<SpiffeRegistration>],
     scope: Option<BTreeSet<SaKey>>,
+    known: &BTreeMap<String, Arc<Entry>>,
 ) -> Desired {
     let mut desired = Desired {
         scope,
@@ -326,9 +336,13 @@ pub fn compute_for(
                         .or_default()
                         .extend(keys.iter().cloned());
                 }
+                let entry = match known.get(&entry.id) {
+                    Some(stored) if stored.renders_as(&entry) => stored.clone(),
+                    _ => Arc::new(entry.shrunk()),
+                };
                 SaState::Needs {
                     policy: policy.name_any(),
-                    entry: Arc::new(entry.shrunk()),
+                    entry,
                 }
             }
         };
@@ -550,6 +564,7 @@ mod tests {
             &enabled,
             std::slice::from_ref(&shared),
             Some(BTreeSet::from([sa("b", "api")])),
+            &BTreeMap::new(),
         );
         let mine = scoped.needs(&sa("b", "api")).expect("needs one").clone();
         assert!(

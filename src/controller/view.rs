@@ -15,7 +15,9 @@ pub type Observed = BTreeMap<String, Arc<Entry>>;
 
 #[derive(Default)]
 pub struct SpireView {
-    pub entries: Observed,
+    /// Shared with a derive of desired state while it runs (it reuses the entries it would
+    /// render identically), and only then: writes find it unshared and change it in place.
+    pub entries: Arc<Observed>,
     listed_at: Option<Instant>,
     /// Entries with our hint that are not ours (a foreign ID prefix), as of the last list:
     /// SPIRE's count by hint includes them.
@@ -92,7 +94,7 @@ impl SpireView {
 
     /// Forget everything: a replica that loses leadership must re-list before writing again.
     pub fn invalidate(&mut self) {
-        self.entries.clear();
+        self.entries = Arc::default();
         self.listed_at = None;
     }
 
@@ -111,10 +113,12 @@ impl SpireView {
 
     pub async fn refresh(&mut self, api: &impl EntryApi) -> Result<(), SpireError> {
         let listed = api.list_ours().await?;
-        self.entries = listed
-            .into_iter()
-            .map(|e| (e.id.clone(), Arc::new(e)))
-            .collect();
+        self.entries = Arc::new(
+            listed
+                .into_iter()
+                .map(|e| (e.id.clone(), Arc::new(e)))
+                .collect(),
+        );
         self.listed_at = Some(Instant::now());
         // Best effort: without it the first drift check re-lists once more.
         self.hinted_not_ours = api
@@ -134,6 +138,7 @@ impl SpireView {
         plan: &SpirePlan,
     ) -> ApplyReport {
         let mut report = ApplyReport::default();
+        let entries = Arc::make_mut(&mut self.entries);
         if !plan.create.is_empty() {
             let results = api
                 .create(plan.create.iter().map(|e| Entry::clone(e)).collect())
@@ -147,14 +152,14 @@ impl SpireView {
                         } else {
                             Arc::new(entry)
                         };
-                        self.entries.insert(id, entry);
+                        entries.insert(id, entry);
                         report.created += 1;
                     }
                     // SPIRE already has an equivalent entry. Ours under another ID (adopted,
                     // or a previous cluster name) joins the view; anyone else's is reported
                     // and never touched unless adoption is on.
                     Ok(entry) if ownership.is_ours(&entry) => {
-                        self.entries.insert(entry.id.clone(), Arc::new(entry));
+                        entries.insert(entry.id.clone(), Arc::new(entry));
                     }
                     Ok(entry) => report.foreign.push((id, entry)),
                     Err(ItemError::Invalid { id, message }) => {
@@ -175,14 +180,14 @@ impl SpireView {
                 let id = sent.id.clone();
                 match result {
                     Ok(entry) if ownership.is_ours(&entry) => {
-                        self.entries.insert(id, Arc::new(entry));
+                        entries.insert(id, Arc::new(entry));
                         report.updated += 1;
                     }
                     Ok(_) => {}
                     Err(error) => {
                         if matches!(error, ItemError::NotFound { .. }) {
                             // Deleted behind our back: the next sync creates it again.
-                            self.entries.remove(&id);
+                            entries.remove(&id);
                         }
                         report.failures.insert(id, error);
                     }
@@ -193,7 +198,7 @@ impl SpireView {
             for result in api.delete(plan.delete.clone()).await {
                 match result {
                     Ok(id) => {
-                        self.entries.remove(&id);
+                        entries.remove(&id);
                         report.deleted += 1;
                     }
                     Err(error) => {

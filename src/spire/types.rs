@@ -95,6 +95,17 @@ impl Entry {
     }
 
     /// Whether any `MutableField` differs: an update, not a new entry, fixes that.
+    /// Whether this entry (as SPIRE holds it) is exactly what `rendered` asks for: same ID,
+    /// key and mutable fields. Then it can stand in for the rendering, which is dropped (a
+    /// full derive at 50,000 Deployments would otherwise hold a second copy of every entry).
+    pub fn renders_as(&self, rendered: &Entry) -> bool {
+        self.id == rendered.id
+            && self.spiffe_id == rendered.spiffe_id
+            && self.parent_id == rendered.parent_id
+            && self.selectors == rendered.selectors
+            && !self.mutable_fields_differ(rendered)
+    }
+
     pub fn mutable_fields_differ(&self, other: &Entry) -> bool {
         MutableField::ALL
             .iter()

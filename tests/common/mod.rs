@@ -18,6 +18,7 @@ pub mod paths;
 pub mod postgres;
 pub mod process;
 pub mod proxy;
+pub mod realistic;
 pub mod registrar;
 pub mod sampler;
 pub mod scale;

@@ -549,6 +549,8 @@ pub async fn run(config: Config) -> Value {
         "raw_patch_s": raw_patch_s,
         "ratio_to_raw_patch": annotations_s / raw_patch_s,
         "syncs": syncs,
+        "full_syncs": registrar.metric("syncs_total", &[("derive", "full")]),
+        "changed_syncs": registrar.metric("syncs_total", &[("derive", "changed")]),
         "sync_ms_mean": sync_ms_mean,
         "derive_ms_mean": derive_ms_mean,
         "peak_rss_mib": peak_rss_mib,
