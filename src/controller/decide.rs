@@ -20,7 +20,7 @@
 //!
 //! While any policy's selectors cannot be evaluated, only orphans are deleted.
 
-use super::desired::{DeploymentKey, Desired, SaKey, SaState};
+use super::desired::{Coverage, DeploymentKey, Desired, SaKey, SaState};
 use super::record::MetadataChange;
 use super::view::Observed;
 use super::writer::FailedWrite;
@@ -622,13 +622,7 @@ pub fn workload_writes(
     let in_scope = |sa: &SaKey| scope.is_none_or(|scope| scope.contains(sa));
     // A scoped derive's Deployments are all of its service accounts: the entries of no other
     // matter to them.
-    let entries_of = scope.or(desired.scope.as_ref());
-    let scope_parts: Option<std::collections::HashSet<(&str, &str)>> = entries_of.map(|scope| {
-        scope
-            .iter()
-            .map(|sa| (&*sa.namespace, &*sa.service_account))
-            .collect()
-    });
+    let entries_of = Coverage::of(scope.or(desired.scope.as_ref()));
     // Entries of ours per service account, as SPIRE has them now, keyed by strings the
     // entries hold (no key allocated per entry; a scoped pass keeps only its own).
     let mut remaining: std::collections::HashMap<(&str, &str), Vec<&Entry>> = Default::default();
@@ -636,10 +630,9 @@ pub fn workload_writes(
         let Some(parts) = SaKey::parts_of_entry(entry) else {
             continue;
         };
-        if scope_parts.as_ref().is_some_and(|s| !s.contains(&parts)) {
-            continue;
+        if entries_of.covers_account(parts) {
+            remaining.entry(parts).or_default().push(entry);
         }
-        remaining.entry(parts).or_default().push(entry);
     }
     let pending: BTreeMap<&str, &Why> = plan
         .pending

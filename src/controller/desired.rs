@@ -143,7 +143,17 @@ pub struct Desired {
 /// account in its scope. Borrowed (no allocation per entry looked at).
 pub struct Coverage<'a>(Option<std::collections::HashSet<(&'a str, &'a str)>>);
 
-impl Coverage<'_> {
+impl<'a> Coverage<'a> {
+    /// Every service account (`None`), or those of `scope`.
+    pub fn of(scope: Option<&'a BTreeSet<SaKey>>) -> Self {
+        Coverage(scope.map(|scope| {
+            scope
+                .iter()
+                .map(|sa| (&*sa.namespace, &*sa.service_account))
+                .collect()
+        }))
+    }
+
     pub fn is_full(&self) -> bool {
         self.0.is_none()
     }
@@ -151,22 +161,21 @@ impl Coverage<'_> {
     /// Whether the derive covered the service account `entry` is for. An entry whose selectors
     /// name no service account is covered by full derives only.
     pub fn covers(&self, entry: &Entry) -> bool {
-        match &self.0 {
-            None => true,
-            Some(parts) => SaKey::parts_of_entry(entry).is_some_and(|p| parts.contains(&p)),
-        }
+        SaKey::parts_of_entry(entry).map_or(self.is_full(), |parts| self.covers_account(parts))
+    }
+
+    /// Whether the derive covered (namespace, service account).
+    pub fn covers_account(&self, parts: (&str, &str)) -> bool {
+        self.0
+            .as_ref()
+            .is_none_or(|covered| covered.contains(&parts))
     }
 }
 
 impl Desired {
     /// Which entries this derive covered.
     pub fn coverage(&self) -> Coverage<'_> {
-        Coverage(self.scope.as_ref().map(|scope| {
-            scope
-                .iter()
-                .map(|sa| (&*sa.namespace, &*sa.service_account))
-                .collect()
-        }))
+        Coverage::of(self.scope.as_ref())
     }
 
     /// A SPIFFE ID this scoped derive renders for one of its service accounts that `taken`
