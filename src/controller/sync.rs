@@ -66,6 +66,8 @@ pub struct Controller<A: EntryApi> {
     full_owed: Option<Instant>,
     /// How long the last full sync took (paces the full syncs owed after changes).
     last_full: Duration,
+    /// Until the next drift check: longer when SPIRE's count of our entries is slow.
+    drift_every: Duration,
     /// The last full derive held service accounts whose SPIFFE IDs collide: until one shows
     /// none, every sync derives in full (a scoped derive cannot see every holder).
     collisions_known: bool,
@@ -86,8 +88,20 @@ enum Wake {
     Probe,
 }
 
-/// At rest, SPIRE's count of our entries is compared with ours this often.
+/// At rest, SPIRE's count of our entries is compared with ours this often, or less often
+/// when counting is expensive (`drift_check_interval`).
 const DRIFT_CHECK_INTERVAL: Duration = Duration::from_secs(10);
+/// A count costs SPIRE a walk over our entries in its datastore: the checks are spaced so
+/// that they take at most 1/`DRIFT_COST_FACTOR` of the time (about 1% of a SPIRE core)...
+const DRIFT_COST_FACTOR: u32 = 100;
+/// ...but drift is still found within this long. The resync (a full list) stays the bound
+/// for everything a count cannot see.
+const DRIFT_CHECK_MAX: Duration = Duration::from_secs(300);
+
+/// When the next drift check is due, given how long the last count took to answer.
+fn drift_check_interval(count_took: Duration) -> Duration {
+    (count_took * DRIFT_COST_FACTOR).clamp(DRIFT_CHECK_INTERVAL, DRIFT_CHECK_MAX)
+}
 /// While SPIRE does not answer, it is probed this often (a count), so work resumes within
 /// about this long of its return whatever the backoff.
 const PROBE_INTERVAL: Duration = Duration::from_secs(1);
@@ -145,6 +159,7 @@ impl<A: EntryApi> Controller<A> {
             spire_failing_since: None,
             full_owed: None,
             last_full: Duration::ZERO,
+            drift_every: DRIFT_CHECK_INTERVAL,
             collisions_known: false,
             retry_owed: false,
         }
@@ -201,7 +216,7 @@ impl<A: EntryApi> Controller<A> {
     }
 
     /// One leadership term: sync on triggers, on retries and on the resync interval; at rest,
-    /// check for drift every `DRIFT_CHECK_INTERVAL`. Returns on shutdown or after stepping
+    /// check for drift every `drift_every`. Returns on shutdown or after stepping
     /// down because SPIRE is unusable.
     async fn lead(
         &mut self,
@@ -216,7 +231,7 @@ impl<A: EntryApi> Controller<A> {
             _ = index.synced() => {}
         }
         let mut next_sync = Instant::now();
-        let mut next_drift_check = Instant::now() + DRIFT_CHECK_INTERVAL;
+        let mut next_drift_check = Instant::now() + self.drift_every;
         loop {
             let wake = tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -232,8 +247,9 @@ impl<A: EntryApi> Controller<A> {
             match wake {
                 Wake::Changed | Wake::Sync => {}
                 Wake::DriftCheck => {
-                    next_drift_check = Instant::now() + DRIFT_CHECK_INTERVAL;
-                    if !self.drifted().await {
+                    let drifted = self.drifted().await;
+                    next_drift_check = Instant::now() + self.drift_every;
+                    if !drifted {
                         continue;
                     }
                 }
@@ -337,7 +353,20 @@ impl<A: EntryApi> Controller<A> {
         if self.view.stale(self.settings.resync_interval) {
             return true;
         }
-        match self.view.check_drift(self.api.as_ref()).await {
+        let counting = Instant::now();
+        let checked = self.view.check_drift(self.api.as_ref()).await;
+        if checked.is_ok() {
+            let every = drift_check_interval(counting.elapsed());
+            if every != self.drift_every {
+                debug!(
+                    count_ms = counting.elapsed().as_millis(),
+                    every_s = every.as_secs(),
+                    "drift checks paced by the cost of SPIRE's count"
+                );
+            }
+            self.drift_every = every;
+        }
+        match checked {
             Ok(Drift::None) => {
                 self.spire_answered(true);
                 self.metrics
@@ -943,4 +972,27 @@ pub fn plan_against(
     };
     let plan = decide::spire_plan(&input, &mut Memory::default());
     (desired, plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drift_checks_are_paced_by_what_a_count_costs_spire() {
+        for (count_ms, every_s) in [
+            (0, 10),   // an idle, small SPIRE: the base interval
+            (100, 10), // 1% of 10 s
+            (250, 25), // 25,000 entries on SQLite: checks spread out
+            (1_500, 150),
+            (4_000, 300), // a count at the call deadline: still checked every 5 minutes
+            (60_000, 300),
+        ] {
+            assert_eq!(
+                drift_check_interval(Duration::from_millis(count_ms)),
+                Duration::from_secs(every_s),
+                "a count that took {count_ms} ms"
+            );
+        }
+    }
 }

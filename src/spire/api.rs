@@ -66,8 +66,10 @@ impl SpireError {
 pub trait EntryApi: Send + Sync + 'static {
     /// Every entry this registrar owns (hint filter, paged, ownership re-checked).
     fn list_ours(&self) -> impl Future<Output = Result<Vec<Entry>, SpireError>> + Send;
-    /// How many entries carry one of our hints: one small call (no entries transferred),
-    /// for drift detection at rest and for probing whether SPIRE is usable.
+    /// How many entries carry one of our hints: one small call per hint (no entries
+    /// transferred), for drift detection at rest and for probing whether SPIRE is usable.
+    /// Small on the wire only: SPIRE (1.13) counts by paging through the matching entries
+    /// in its datastore, so a count costs it about what a list of our entries does.
     fn count_hinted(&self) -> impl Future<Output = Result<u64, SpireError>> + Send;
     /// Creates entries. AlreadyExists with an entry is a success carrying the stored entry,
     /// which the caller must check with `Ownership::is_ours` before treating it as ours.

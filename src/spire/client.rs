@@ -333,13 +333,18 @@ impl GrpcEntryClient {
     }
 }
 
-/// A count is a probe: one short attempt, no retries (its caller polls).
-const PROBE_POLICY: RetryPolicy = RetryPolicy {
-    initial_delay: Duration::ZERO,
-    max_delay: Duration::ZERO,
-    budget: Duration::ZERO,
-    call_timeout: Duration::from_secs(2),
-};
+/// A count is a probe: one attempt, no retries (its caller polls). It gets the same
+/// deadline as any other call: SPIRE answers a filtered count by walking the matching
+/// entries in its datastore, and at 25,000 entries under load that took over 2 s, which a
+/// shorter probe deadline read as an outage.
+fn probe_policy(call_timeout: Duration) -> RetryPolicy {
+    RetryPolicy {
+        initial_delay: Duration::ZERO,
+        max_delay: Duration::ZERO,
+        budget: Duration::ZERO,
+        call_timeout,
+    }
+}
 
 /// Results for a batch skipped because an earlier one failed as a whole: retryable.
 fn not_sent<T>(op: &'static str, ids: &[String]) -> Vec<Result<T, ItemError>> {
@@ -417,6 +422,7 @@ impl EntryApi for GrpcEntryClient {
 
     async fn count_hinted(&self) -> Result<u64, SpireError> {
         let mut total = 0;
+        let policy = probe_policy(self.settings.retry.call_timeout);
         for hint in self.ownership.hints() {
             let request = pb::CountEntriesRequest {
                 filter: Some(pb::count_entries_request::Filter {
@@ -425,7 +431,7 @@ impl EntryApi for GrpcEntryClient {
                 }),
             };
             let response = self
-                .call_with(&PROBE_POLICY, "count", request, |mut c, r| async move {
+                .call_with(&policy, "count", request, |mut c, r| async move {
                     c.count_entries(r).await
                 })
                 .await?;

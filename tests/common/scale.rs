@@ -491,6 +491,15 @@ pub async fn run(config: Config) -> Value {
     let list_calls =
         || registrar.metric("spire_api_call_duration_seconds_count", &[("op", "list")]);
     let lists = list_calls();
+    let counts = || {
+        (
+            registrar.metric("spire_api_call_duration_seconds_count", &[("op", "count")]),
+            registrar.metric("spire_api_call_duration_seconds_sum", &[("op", "count")]),
+        )
+    };
+    let counts_before = counts();
+    let spire_pid = stack.spire_server.process.pgid();
+    let spire_cpu_before = cpu_seconds(spire_pid);
     let cpu_at_rest_before = cpu_seconds(pid);
     progress(&format!("at rest for {} s", rest.as_secs()));
     tokio::time::sleep(rest).await;
@@ -501,6 +510,13 @@ pub async fn run(config: Config) -> Value {
     let spire_calls_per_min_at_rest = (registrar.spire_calls() - calls) * 60.0 / rest.as_secs_f64();
     // At rest only drift checks (a count per hint every 10 s) are expected: never a list.
     let spire_lists_at_rest = list_calls() - lists;
+    // A count is small on the wire but SPIRE walks our entries to answer it: what the drift
+    // checks cost the server, and how long one takes at this size.
+    let spire_cpu_s_per_min_at_rest =
+        (cpu_seconds(spire_pid) - spire_cpu_before) * 60.0 / rest.as_secs_f64().max(1.0);
+    let (count_calls, count_seconds) = counts();
+    let count_ms_at_rest = (count_seconds - counts_before.1) * 1000.0
+        / (count_calls - counts_before.0).max(1.0);
 
     // Namespace deletion: whole namespaces until 5,000 Deployments (or all) are covered.
     let per_namespace = total.div_ceil(NAMESPACES).max(1);
@@ -563,6 +579,8 @@ pub async fn run(config: Config) -> Value {
         "cpu_s_per_min_at_rest": cpu_s_per_min_at_rest,
         "spire_calls_per_min_at_rest": spire_calls_per_min_at_rest,
         "spire_lists_at_rest": spire_lists_at_rest,
+        "spire_cpu_s_per_min_at_rest": spire_cpu_s_per_min_at_rest,
+        "count_ms_at_rest": count_ms_at_rest,
         "namespace_delete_s": namespace_delete_s,
         "namespaces_deleted": doomed,
         "datastore": datastore.name(),
