@@ -60,6 +60,27 @@ async fn manifests_apply_and_their_rbac_is_enough_to_register() {
                 "--timeout=60s",
             ],
         );
+        // The webhook's conditions compiled on the apiserver, and are the code's own.
+        let conditions = kubectl_ok(
+            &stack,
+            &[
+                "get",
+                "mutatingwebhookconfiguration",
+                "spiffe-registrar",
+                "-o",
+                "jsonpath={.webhooks[0].matchConditions[1]}",
+            ],
+        );
+        let condition: serde_json::Value =
+            serde_json::from_str(&conditions).expect("a matchCondition");
+        assert_eq!(
+            condition,
+            json!({
+                "name": spiffe_registrar::webhook::RELEVANT_UPDATE_CONDITION_NAME,
+                "expression": spiffe_registrar::webhook::RELEVANT_UPDATE_CONDITION,
+            }),
+            "manifests/base/webhook.yaml differs from webhook::RELEVANT_UPDATE_CONDITION"
+        );
         // The sidecar variant must at least be accepted by the apiserver.
         kubectl_ok(&stack, &["create", "namespace", "spire"]);
         kubectl_ok(

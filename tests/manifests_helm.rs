@@ -9,7 +9,7 @@ mod common;
 use common::kube_plane::KubePlane;
 use common::paths::{binary, helm_bin, kube_bin};
 use common::process::run;
-use serde_json::Value;
+use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::process::Command;
 
@@ -175,6 +175,14 @@ fn settings_reach_the_container_and_the_webhook() {
     assert_eq!(
         webhook["matchConditions"][0]["expression"],
         "request.userInfo.username != 'system:serviceaccount:identity:spiffe-registrar'"
+    );
+    assert_eq!(
+        webhook["matchConditions"][1],
+        json!({
+            "name": spiffe_registrar::webhook::RELEVANT_UPDATE_CONDITION_NAME,
+            "expression": spiffe_registrar::webhook::RELEVANT_UPDATE_CONDITION,
+        }),
+        "the chart's webhook conditions differ from the code's"
     );
     let (ok, _, stderr) = run(Command::new(binary(helm_bin(), "helm")).args([
         "template",

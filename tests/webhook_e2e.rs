@@ -16,11 +16,11 @@ use common::registrar::{Options, Registrar};
 use common::stack::unique;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
-use spiffe_registrar::names::{FINALIZER, SPIFFE_ID_ANNOTATION};
+use spiffe_registrar::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
 use spiffe_registrar::policy::SpiffeRegistration;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -73,31 +73,36 @@ async fn namespace(client: &Client, opted_in: bool) -> String {
     let name = unique("wh");
     create_namespace(client, &name, opted_in).await;
     if opted_in {
-        // The apiserver picks up webhook configurations asynchronously: probe until mutated.
-        let api: Api<Deployment> = Api::namespaced(client.clone(), &name);
-        eventually("the webhook to be called", Duration::from_secs(30), || {
-            let api = api.clone();
-            async move {
-                let probe = api
-                    .create(
-                        &PostParams {
-                            dry_run: true,
-                            ..Default::default()
-                        },
-                        &deployment("probe", None),
-                    )
-                    .await
-                    .ok()?;
-                probe
-                    .metadata
-                    .finalizers
-                    .filter(|f| f.iter().any(|f| f == FINALIZER))
-                    .map(|_| ())
-            }
-        })
-        .await;
+        webhook_live_in(client, &name).await;
     }
     name
+}
+
+/// Returns once the webhook mutates creates in `namespace`: the apiserver picks up webhook
+/// configurations and namespace labels asynchronously, so probe (dry-run) until mutated.
+async fn webhook_live_in(client: &Client, namespace: &str) {
+    let api: Api<Deployment> = Api::namespaced(client.clone(), namespace);
+    eventually("the webhook to be called", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move {
+            let probe = api
+                .create(
+                    &PostParams {
+                        dry_run: true,
+                        ..Default::default()
+                    },
+                    &deployment("probe", None),
+                )
+                .await
+                .ok()?;
+            probe
+                .metadata
+                .finalizers
+                .filter(|f| f.iter().any(|f| f == FINALIZER))
+                .map(|_| ())
+        }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -166,6 +171,95 @@ async fn user_written_spiffe_id_is_replaced() {
     assert_eq!(
         annotation(&api.get("web").await.expect("stored"), SPIFFE_ID_ANNOTATION),
         Some(expected.as_str())
+    );
+}
+
+/// A rollout or a scale never reaches the webhook (the manifests' `matchConditions`); an edit
+/// of what it reads does. Seen from the apiserver: this registrar runs no controller, so only
+/// the webhook can stamp a Deployment that was created before its namespace opted in.
+#[tokio::test(flavor = "multi_thread")]
+async fn only_updates_of_what_the_webhook_reads_reach_it() {
+    let env = tokio::task::block_in_place(env);
+    let _logs = env.stack.logs_on_panic();
+    let client = env.stack.kube.client().await;
+    let ns = namespace(&client, false).await;
+    let api: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    api.create(&PostParams::default(), &deployment("web", Some("api")))
+        .await
+        .expect("create");
+    let opt_in = json!({ "metadata": { "labels": { "spiffe.io/registrar": "enabled" } } });
+    Api::<Namespace>::all(client.clone())
+        .patch(&ns, &PatchParams::default(), &Patch::Merge(&opt_in))
+        .await
+        .expect("opt the namespace in");
+    webhook_live_in(&client, &ns).await;
+    let stamped =
+        |d: &Deployment| has_finalizer(d) || annotation(d, SPIFFE_ID_ANNOTATION).is_some();
+
+    let before = api.get("web").await.expect("stored");
+    for (what, patch) in [
+        ("a scale", json!({ "spec": { "replicas": 3 } })),
+        (
+            "a rollout",
+            json!({ "spec": { "template": { "metadata": { "annotations": { "rollout": "2" } } } } }),
+        ),
+        (
+            "another writer's annotation",
+            json!({ "metadata": { "annotations": { "example.com/note": "x" } } }),
+        ),
+    ] {
+        let after = api
+            .patch("web", &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_ne!(
+            after.metadata.resource_version, before.metadata.resource_version,
+            "{what} was written"
+        );
+        assert!(!stamped(&after), "{what} reached the webhook");
+    }
+
+    let relabel = json!({ "metadata": { "labels": { "tier": "web" } } });
+    let after = api
+        .patch("web", &PatchParams::default(), &Patch::Merge(&relabel))
+        .await
+        .expect("relabel");
+    assert!(has_finalizer(&after), "a label change reaches the webhook");
+    assert_eq!(
+        annotation(&after, SPIFFE_ID_ANNOTATION),
+        Some(format!("spiffe://{TRUST_DOMAIN}/ns/{ns}/sa/api").as_str())
+    );
+    // A forged entry-id (by someone other than the registrar) is an edit of what the webhook
+    // reads, whatever else the UPDATE does: refused with a warning.
+    let forged = json!({ "metadata": { "annotations": { ENTRY_ID_ANNOTATION: "someone-elses-entry" } }, "spec": { "replicas": 1 } }).to_string();
+    let (ok, _, warned) = tokio::task::block_in_place(|| {
+        common::process::run(env.stack.kube.kubectl().args([
+            "--as=mallory",
+            "--as-group=system:masters",
+            "-n",
+            &ns,
+            "patch",
+            "deployment",
+            "web",
+            "--type=merge",
+            "-p",
+            &forged,
+        ]))
+    });
+    assert!(ok, "{warned}");
+    assert!(
+        warned.contains("is written by the registrar"),
+        "the webhook warns: {warned}"
+    );
+    let stored = api.get("web").await.expect("stored");
+    assert_eq!(
+        stored.spec.as_ref().and_then(|s| s.replicas),
+        Some(1),
+        "the rest of the UPDATE applied"
+    );
+    assert_ne!(
+        annotation(&stored, ENTRY_ID_ANNOTATION),
+        Some("someone-elses-entry")
     );
 }
 

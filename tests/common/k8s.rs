@@ -146,6 +146,7 @@ pub async fn create_webhook_configuration_per_replica(
                 "clientConfig": { "url": format!("https://127.0.0.1:{port}/mutate") },
                 "rules": [{ "apiGroups": ["apps"], "apiVersions": ["v1"], "resources": ["deployments"], "operations": ["CREATE", "UPDATE"] }],
                 "namespaceSelector": { "matchLabels": { OPT_IN_KEY: "enabled", "e2e/replica": label } },
+                "matchConditions": [relevant_update_condition()],
                 "failurePolicy": "Fail",
                 "sideEffects": "None",
                 "admissionReviewVersions": ["v1"],
@@ -160,6 +161,12 @@ pub async fn create_webhook_configuration_per_replica(
         .create(&PostParams::default(), &config)
         .await
         .expect("webhook configuration create");
+}
+
+/// The manifests' condition that keeps UPDATEs the webhook need not see from reaching it.
+fn relevant_update_condition() -> serde_json::Value {
+    use spiffe_registrar::webhook::{RELEVANT_UPDATE_CONDITION, RELEVANT_UPDATE_CONDITION_NAME};
+    json!({ "name": RELEVANT_UPDATE_CONDITION_NAME, "expression": RELEVANT_UPDATE_CONDITION })
 }
 
 async fn create_webhook_configuration_full(
@@ -178,6 +185,7 @@ async fn create_webhook_configuration_full(
             json!({ "name": "not-the-registrar", "expression": format!("request.userInfo.username != '{user}'") })
         })
         .into_iter()
+        .chain([relevant_update_condition()])
         .collect();
     let config: MutatingWebhookConfiguration = serde_json::from_value(json!({
         "metadata": { "name": name },

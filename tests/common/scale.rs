@@ -515,8 +515,8 @@ pub async fn run(config: Config) -> Value {
     let spire_cpu_s_per_min_at_rest =
         (cpu_seconds(spire_pid) - spire_cpu_before) * 60.0 / rest.as_secs_f64().max(1.0);
     let (count_calls, count_seconds) = counts();
-    let count_ms_at_rest = (count_seconds - counts_before.1) * 1000.0
-        / (count_calls - counts_before.0).max(1.0);
+    let count_ms_at_rest =
+        (count_seconds - counts_before.1) * 1000.0 / (count_calls - counts_before.0).max(1.0);
 
     // Namespace deletion: whole namespaces until 5,000 Deployments (or all) are covered.
     let per_namespace = total.div_ceil(NAMESPACES).max(1);
