@@ -102,6 +102,7 @@ const DRIFT_CHECK_MAX: Duration = Duration::from_secs(300);
 fn drift_check_interval(count_took: Duration) -> Duration {
     (count_took * DRIFT_COST_FACTOR).clamp(DRIFT_CHECK_INTERVAL, DRIFT_CHECK_MAX)
 }
+
 /// While SPIRE does not answer, it is probed this often (a count), so work resumes within
 /// about this long of its return whatever the backoff.
 const PROBE_INTERVAL: Duration = Duration::from_secs(1);
@@ -356,10 +357,11 @@ impl<A: EntryApi> Controller<A> {
         let counting = Instant::now();
         let checked = self.view.check_drift(self.api.as_ref()).await;
         if checked.is_ok() {
-            let every = drift_check_interval(counting.elapsed());
+            let took = counting.elapsed();
+            let every = drift_check_interval(took);
             if every != self.drift_every {
                 debug!(
-                    count_ms = counting.elapsed().as_millis(),
+                    count_ms = took.as_millis(),
                     every_s = every.as_secs(),
                     "drift checks paced by the cost of SPIRE's count"
                 );

@@ -508,7 +508,8 @@ pub async fn run(config: Config) -> Value {
     let cpu_s_per_min_at_rest =
         (cpu_seconds(pid) - cpu_at_rest_before) * 60.0 / rest.as_secs_f64().max(1.0);
     let spire_calls_per_min_at_rest = (registrar.spire_calls() - calls) * 60.0 / rest.as_secs_f64();
-    // At rest only drift checks (a count per hint every 10 s) are expected: never a list.
+    // At rest only drift checks (a count per hint, every 10 s or less often when counting is
+    // slow) are expected: never a list.
     let spire_lists_at_rest = list_calls() - lists;
     // A count is small on the wire but SPIRE walks our entries to answer it: what the drift
     // checks cost the server, and how long one takes at this size.
