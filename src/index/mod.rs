@@ -4,6 +4,7 @@
 //! coalescing, never dropped), the controller's cue to re-derive desired state. The webhook reads the same caches; nothing here does I/O on
 //! a request path.
 
+mod batches;
 pub mod changes;
 pub mod deployment;
 pub mod store;
@@ -171,21 +172,11 @@ pub fn start(
         watcher::Config::default().page_size(DEPLOYMENT_LIST_PAGE),
     )
     .default_backoff();
-    tasks.push(tokio::spawn(async move {
-        let mut stream = std::pin::pin!(deployment_stream);
-        while let Some(event) = stream.next().await {
-            match event {
-                Ok(event) => {
-                    if deployment_writer.apply(event) {
-                        trigger.notify_one();
-                    }
-                }
-                Err(error) => {
-                    tracing::warn!(kind = "deployments", %error, "watch failed; retrying with backoff")
-                }
-            }
-        }
-    }));
+    tasks.push(tokio::spawn(batches::drain_deployments(
+        deployment_stream,
+        deployment_writer,
+        trigger,
+    )));
 
     let (synced_tx, synced_rx) = tokio::sync::watch::channel(false);
     let index = Index {

@@ -336,13 +336,7 @@ impl DeploymentStoreWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testing::mk_deployment;
-
-    fn watched(namespace: &str, name: &str, sa: &str, version: &str) -> WatchedDeployment {
-        let mut d = mk_deployment(namespace, name, Some(sa), &[("app", name)]);
-        d.metadata.resource_version = Some(version.into());
-        serde_json::from_value(serde_json::to_value(d).expect("serializes")).expect("decodes")
-    }
+    use crate::policy::testing::{mk_deployment, mk_watched as watched};
 
     #[tokio::test]
     async fn relists_swap_in_whole_and_changes_are_told_apart() {

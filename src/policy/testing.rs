@@ -74,6 +74,18 @@ pub fn mk_deployment(
     .expect("deployment JSON must match the type")
 }
 
+/// `mk_deployment` as the Deployment watch decodes it, at `resource_version`.
+pub fn mk_watched(
+    namespace: &str,
+    name: &str,
+    service_account: &str,
+    resource_version: &str,
+) -> crate::index::deployment::WatchedDeployment {
+    let mut d = mk_deployment(namespace, name, Some(service_account), &[("app", name)]);
+    d.metadata.resource_version = Some(resource_version.into());
+    serde_json::from_value(serde_json::to_value(d).expect("serializes")).expect("decodes")
+}
+
 /// `deployment` as the cache holds it.
 pub fn recorded(deployment: Deployment) -> std::sync::Arc<crate::index::DeploymentRecord> {
     std::sync::Arc::new(crate::index::DeploymentRecord::from(&deployment))
