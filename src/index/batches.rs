@@ -1,10 +1,12 @@
 //! The Deployment watch read in batches. kube-controller-manager rewrites a Deployment's
-//! status several times per rollout; read one wake-up per event, those events cost more in
-//! wake-ups (scheduler, epoll, the runtime parking and unparking) than in decoding: ~2 context
-//! switches per event, profiled in a rollout of 2,000 under kube-controller-manager. Once the
-//! list is done, the watch is read, then left alone for `WATCH_PAUSE`: meanwhile the events wait
-//! in the kernel's socket buffer (hyper reads a body only when asked), and the next read takes
-//! all of them in one wake-up, with one poke of the controller.
+//! status several times per rollout, and handling each event on its own wake-up cost more in
+//! per-wake work (the watcher's stream stack, task hand-offs, the store's lock, a poke of the
+//! controller) than in decoding. Once the list is done, the watch is read, then left alone for
+//! `WATCH_PAUSE`: meanwhile the events wait in the kernel's socket buffer (hyper reads a body
+//! only when asked), and the next read takes all of them, with one poke of the controller.
+//! Measured in a rollout of 2,000 under kube-controller-manager: 0.205 -> ~0.14 CPU s per 1,000
+//! status updates. What it cannot save: the reactor still wakes about once per arriving event
+//! (edge-triggered epoll reports new data whether or not anyone reads).
 
 use super::deployment::WatchedDeployment;
 use super::store::DeploymentStoreWriter;
@@ -20,7 +22,7 @@ use tokio::sync::Notify;
 /// meanwhile (at a few hundred ~13 KB events per second, a few hundred KB), so the apiserver
 /// never sees a slow watcher. Never applied while listing: pages come as fast as they are
 /// asked for.
-pub const WATCH_PAUSE: Duration = Duration::from_millis(100);
+const WATCH_PAUSE: Duration = Duration::from_millis(100);
 
 /// After the pause, events keep being taken while the next one follows within this long.
 /// hyper hands a body over one chunk (one event) at a time, each after its connection task
