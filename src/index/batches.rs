@@ -93,7 +93,8 @@ mod tests {
         (events, deployments, trigger)
     }
 
-    fn apply(name: &str, service_account: &str) -> WatchEvent {
+    /// A watch event: `name` now runs as `service_account`.
+    fn update(name: &str, service_account: &str) -> WatchEvent {
         Ok(watcher::Event::Apply(mk_watched(
             "a",
             name,
@@ -154,7 +155,7 @@ mod tests {
         let burst_sent = Instant::now();
         for i in 0..50 {
             events
-                .unbounded_send(apply(&format!("d{i}"), "api"))
+                .unbounded_send(update(&format!("d{i}"), "api"))
                 .unwrap();
         }
         trigger.notified().await;
@@ -175,7 +176,7 @@ mod tests {
         let (events, deployments, trigger) = start();
         listed(&events, &trigger).await;
         let paused_at = Instant::now();
-        events.unbounded_send(apply("late", "api")).unwrap();
+        events.unbounded_send(update("late", "api")).unwrap();
         tokio::time::sleep(WATCH_PAUSE / 2).await;
         assert!(
             deployments.get("a", "late").is_none(),
