@@ -30,18 +30,17 @@ const WATCH_PAUSE: Duration = Duration::from_millis(100);
 /// the socket.
 const DRAIN_GAP: Duration = Duration::from_millis(2);
 
-type WatchEvent = Result<watcher::Event<WatchedDeployment>, watcher::Error>;
-
 /// Applies Deployment events to the compact store, poking `trigger` once per batch that
 /// changed something a decision reads. Watch errors are logged (the stream's backoff retries
 /// them) and never end the loop.
-pub async fn drain_deployments<S>(stream: S, writer: DeploymentStoreWriter, trigger: Arc<Notify>)
+pub async fn drain_deployments<S, E>(stream: S, writer: DeploymentStoreWriter, trigger: Arc<Notify>)
 where
-    S: Stream<Item = WatchEvent>,
+    S: Stream<Item = Result<watcher::Event<WatchedDeployment>, E>>,
+    E: std::fmt::Display,
 {
     let mut stream = std::pin::pin!(stream);
     let mut watching = false;
-    let apply = |event: WatchEvent, watching: &mut bool| match event {
+    let apply = |event: Result<_, E>, watching: &mut bool| match event {
         Ok(event) => {
             match &event {
                 watcher::Event::Init => *watching = false,
@@ -79,6 +78,8 @@ mod tests {
     use crate::policy::testing::mk_watched;
     use futures::channel::mpsc;
     use tokio::time::Instant;
+
+    type WatchEvent = Result<watcher::Event<WatchedDeployment>, watcher::Error>;
 
     /// The watch as a channel the test feeds, and the drain running over it.
     fn start() -> (

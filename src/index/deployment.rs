@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Every annotation we write starts with this; no other annotation is kept.
-const OUR_ANNOTATION_PREFIX: &str = "registrar.spiffe.io/";
+pub(super) const OUR_ANNOTATION_PREFIX: &str = "registrar.spiffe.io/";
 
 /// Our annotations as they are on the object (never trusted as truth: see `decide`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -202,6 +202,25 @@ struct WatchedPodSpec {
 }
 
 impl WatchedDeployment {
+    /// From metadata already trimmed to what a record reads (the protobuf watch's decoder).
+    pub(super) fn from_parts(
+        metadata: ObjectMeta,
+        service_account_name: Option<String>,
+        service_account: Option<String>,
+    ) -> Self {
+        Self {
+            metadata,
+            spec: Some(WatchedSpec {
+                template: WatchedTemplate {
+                    spec: Some(WatchedPodSpec {
+                        service_account_name,
+                        service_account,
+                    }),
+                },
+            }),
+        }
+    }
+
     pub fn record(&self) -> DeploymentRecord {
         let pod = self.spec.as_ref().and_then(|s| s.template.spec.as_ref());
         DeploymentRecord::from_parts(

@@ -7,8 +7,10 @@
 mod batches;
 pub mod changes;
 pub mod deployment;
+mod deployment_watch;
 pub mod store;
 pub mod token;
+pub mod wire;
 
 pub use changes::{Changed, Changes};
 pub use deployment::DeploymentRecord;
@@ -17,7 +19,6 @@ pub use store::DeploymentStore;
 use crate::policy::{Labels, OptIn, SpiffeRegistration};
 use crate::spire::Ownership;
 use crate::telemetry::ReadyHandle;
-use deployment::WatchedDeployment;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::runtime::reflector::{self, Store};
@@ -167,11 +168,7 @@ pub fn start(
     // Only changes a decision reads wake the controller: the store tells them apart as it
     // applies each event.
     let (deployments, deployment_writer) = store::store_telling(changes.clone());
-    let deployment_stream = watcher(
-        Api::<WatchedDeployment>::all(client),
-        watcher::Config::default().page_size(DEPLOYMENT_LIST_PAGE),
-    )
-    .default_backoff();
+    let deployment_stream = deployment_watch::deployments(client, DEPLOYMENT_LIST_PAGE);
     tasks.push(tokio::spawn(batches::drain_deployments(
         deployment_stream,
         deployment_writer,

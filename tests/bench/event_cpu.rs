@@ -24,7 +24,7 @@ use kube::runtime::watcher;
 use realistic::deployment_json;
 use serde_json::{Value, json};
 use spiffe_registrar::index::deployment::WatchedDeployment;
-use spiffe_registrar::index::store;
+use spiffe_registrar::index::{store, wire};
 use spiffe_registrar::policy::SpiffeRegistration;
 use spiffe_registrar::spire::Ownership;
 use spiffe_registrar::webhook::metrics::WebhookMetrics;
@@ -136,6 +136,37 @@ async fn main() {
     })
     .await;
 
+    // The same real watch (tests/fixtures) decoded from each encoding the apiserver serves.
+    let json_lines: Vec<&str> = include_str!("../fixtures/deployment-watch.json")
+        .lines()
+        .filter(|line| line.contains("\"MODIFIED\""))
+        .collect();
+    let mut stream = bytes::BytesMut::from(&include_bytes!("../fixtures/deployment-watch.pb")[..]);
+    let mut frames = Vec::new();
+    while let Some(frame) = wire::split_frame(&mut stream).expect("a well-formed stream") {
+        frames.push(frame);
+    }
+    frames.truncate(json_lines.len());
+    let json_us = per_call(events, |i| {
+        let event: WatchEvent<WatchedDeployment> =
+            serde_json::from_str(json_lines[i % json_lines.len()]).expect("a watch event");
+        let WatchEvent::Modified(object) = event else {
+            panic!("MODIFIED only");
+        };
+        std::hint::black_box(object.record());
+        std::future::ready(())
+    })
+    .await;
+    let protobuf_us = per_call(events, |i| {
+        let event = wire::decode_event(frames[i % frames.len()].clone()).expect("a watch event");
+        let wire::Event::Applied(object) = event else {
+            panic!("MODIFIED only");
+        };
+        std::hint::black_box(object.record());
+        std::future::ready(())
+    })
+    .await;
+
     // The webhook: UPDATE admissions of the same objects (a rollout's spec change).
     let policy: SpiffeRegistration = serde_json::from_value(json!({
         "apiVersion": "registrar.spiffe.io/v1alpha1", "kind": "SpiffeRegistration",
@@ -191,6 +222,8 @@ async fn main() {
         json!({
             "watch_event_bytes": line_bytes,
             "watch_event_us": (watch_us * 10.0).round() / 10.0,
+            "real_event_json_decode_us": (json_us * 10.0).round() / 10.0,
+            "real_event_protobuf_decode_us": (protobuf_us * 10.0).round() / 10.0,
             "admission_bytes": review_bytes,
             "admission_us": (webhook_us * 10.0).round() / 10.0,
         })

@@ -1,0 +1,604 @@
+//! Deployments in Kubernetes' protobuf encoding, as the apiserver sends lists and watch events
+//! when asked for `application/vnd.kubernetes.protobuf`. Under kube-controller-manager almost
+//! every watch event is a status rewrite we drop, and decoding the JSON of a ~13 KB Deployment
+//! was about a third of the CPU each one cost us. Here only the fields a record is built from
+//! are declared: the rest (pod template, status, managed fields) are skipped by length, and
+//! the annotation values we do not keep (several KB of `last-applied-configuration`) are
+//! sliced, never copied or validated as UTF-8.
+//!
+//! The field numbers are Kubernetes' `generated.proto` ones (stable: protobuf is a served wire
+//! format); `tests/fixtures/deployment-watch.pb` is a real apiserver's stream they are tested
+//! against.
+
+use super::deployment::{OUR_ANNOTATION_PREFIX, WatchedDeployment};
+use bytes::{Buf, Bytes, BytesMut};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::jiff::Timestamp;
+use prost::Message;
+use std::collections::BTreeMap;
+
+/// Every object the apiserver encodes starts with this, then a `runtime.Unknown` envelope.
+const MAGIC: &[u8] = b"k8s\0";
+
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("not a Kubernetes protobuf object (no magic prefix)")]
+    NoMagic,
+    #[error("protobuf: {0}")]
+    Decode(#[from] prost::DecodeError),
+    #[error("expected a {expected}, got a {got}")]
+    UnexpectedKind { expected: &'static str, got: String },
+    #[error("unknown watch event type {0:?}")]
+    UnknownEventType(String),
+    #[error("watch event without an object")]
+    NoObject,
+    #[error("watch frame of {0} bytes, over the {MAX_FRAME} we accept")]
+    FrameTooLarge(usize),
+}
+
+/// etcd refuses objects over 1.5 MiB; a frame much larger than that is a broken stream, not a
+/// Deployment, and must not make us buffer without bound.
+const MAX_FRAME: usize = 16 << 20;
+
+/// What one watch event says.
+#[derive(Debug)]
+pub enum Event {
+    Applied(WatchedDeployment),
+    Deleted(WatchedDeployment),
+    /// The watch is at this resourceVersion, nothing else changed.
+    Bookmark(String),
+    /// The apiserver ended the watch with a Status (410 Gone: resume by listing again).
+    Failed(ApiStatus),
+}
+
+/// A `metav1.Status` the apiserver sent instead of an object.
+#[derive(Clone, Debug, Default, PartialEq, Eq, thiserror::Error)]
+#[error("{code} {reason}: {message}")]
+pub struct ApiStatus {
+    pub code: i32,
+    pub reason: String,
+    pub message: String,
+}
+
+impl ApiStatus {
+    /// The resourceVersion asked for is older than the apiserver keeps: only a new list helps.
+    pub fn is_gone(&self) -> bool {
+        self.code == 410 || self.reason == "Expired" || self.reason == "Gone"
+    }
+}
+
+/// One page of a Deployment list.
+#[derive(Debug, Default)]
+pub struct Page {
+    pub items: Vec<WatchedDeployment>,
+    pub resource_version: String,
+    /// Empty on the last page.
+    pub continue_token: String,
+}
+
+/// Takes the next whole frame off a watch stream's buffer: a 4-byte big-endian length, then
+/// that many bytes. `None` until the frame has fully arrived.
+pub fn split_frame(buffer: &mut BytesMut) -> Result<Option<Bytes>, WireError> {
+    let Some(prefix) = buffer.first_chunk::<4>() else {
+        return Ok(None);
+    };
+    let length = u32::from_be_bytes(*prefix) as usize;
+    if length > MAX_FRAME {
+        return Err(WireError::FrameTooLarge(length));
+    }
+    if buffer.len() < 4 + length {
+        buffer.reserve(4 + length - buffer.len());
+        return Ok(None);
+    }
+    buffer.advance(4);
+    Ok(Some(buffer.split_to(length).freeze()))
+}
+
+/// Decodes one watch frame (the length prefix already taken off).
+pub fn decode_event(frame: Bytes) -> Result<Event, WireError> {
+    let WatchEvent { kind, object } = WatchEvent::decode(frame)?;
+    let raw = object.ok_or(WireError::NoObject)?.raw;
+    match kind.as_str() {
+        "ADDED" | "MODIFIED" => Ok(Event::Applied(deployment(raw)?)),
+        "DELETED" => Ok(Event::Deleted(deployment(raw)?)),
+        "BOOKMARK" => {
+            let bookmark = deployment(raw)?;
+            Ok(Event::Bookmark(
+                bookmark.metadata.resource_version.unwrap_or_default(),
+            ))
+        }
+        "ERROR" => Ok(Event::Failed(status(raw)?)),
+        _ => Err(WireError::UnknownEventType(kind)),
+    }
+}
+
+/// Decodes a list response's body.
+pub fn decode_page(body: Bytes) -> Result<Page, WireError> {
+    let raw = unwrap(body, "DeploymentList")?;
+    let DeploymentList { metadata, items } = DeploymentList::decode(raw)?;
+    let metadata = metadata.unwrap_or_default();
+    Ok(Page {
+        items: items.into_iter().map(Deployment::into_watched).collect(),
+        resource_version: metadata.resource_version,
+        continue_token: metadata.continue_token,
+    })
+}
+
+/// Decodes an error response's body, when it is a protobuf Status.
+pub fn decode_status(body: Bytes) -> Result<ApiStatus, WireError> {
+    status(body)
+}
+
+fn deployment(raw: Bytes) -> Result<WatchedDeployment, WireError> {
+    let raw = unwrap(raw, "Deployment")?;
+    Ok(Deployment::decode(raw)?.into_watched())
+}
+
+fn status(raw: Bytes) -> Result<ApiStatus, WireError> {
+    let raw = unwrap(raw, "Status")?;
+    let Status {
+        message,
+        reason,
+        code,
+    } = Status::decode(raw)?;
+    Ok(ApiStatus {
+        code,
+        reason,
+        message,
+    })
+}
+
+/// Strips the magic prefix and the `runtime.Unknown` envelope, checking the kind inside.
+fn unwrap(mut raw: Bytes, expected: &'static str) -> Result<Bytes, WireError> {
+    if !raw.starts_with(MAGIC) {
+        return Err(WireError::NoMagic);
+    }
+    raw.advance(MAGIC.len());
+    let Unknown { type_meta, raw } = Unknown::decode(raw)?;
+    let kind = type_meta.map(|t| t.kind).unwrap_or_default();
+    if kind != expected {
+        return Err(WireError::UnexpectedKind {
+            expected,
+            got: kind,
+        });
+    }
+    Ok(raw)
+}
+
+// The messages, with only the fields we read. prost skips every other field by its length.
+
+#[derive(Clone, PartialEq, Message)]
+struct WatchEvent {
+    #[prost(string, tag = "1")]
+    kind: String,
+    #[prost(message, optional, tag = "2")]
+    object: Option<RawExtension>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct RawExtension {
+    #[prost(bytes = "bytes", tag = "1")]
+    raw: Bytes,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct Unknown {
+    #[prost(message, optional, tag = "1")]
+    type_meta: Option<TypeMeta>,
+    #[prost(bytes = "bytes", tag = "2")]
+    raw: Bytes,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct TypeMeta {
+    #[prost(string, tag = "2")]
+    kind: String,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct Status {
+    #[prost(string, tag = "3")]
+    message: String,
+    #[prost(string, tag = "4")]
+    reason: String,
+    #[prost(int32, tag = "6")]
+    code: i32,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct DeploymentList {
+    #[prost(message, optional, tag = "1")]
+    metadata: Option<ListMeta>,
+    #[prost(message, repeated, tag = "2")]
+    items: Vec<Deployment>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct ListMeta {
+    #[prost(string, tag = "2")]
+    resource_version: String,
+    #[prost(string, tag = "3")]
+    continue_token: String,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct Deployment {
+    #[prost(message, optional, tag = "1")]
+    metadata: Option<Meta>,
+    #[prost(message, optional, tag = "2")]
+    spec: Option<DeploymentSpec>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct Meta {
+    #[prost(string, optional, tag = "1")]
+    name: Option<String>,
+    #[prost(string, optional, tag = "3")]
+    namespace: Option<String>,
+    #[prost(string, optional, tag = "5")]
+    uid: Option<String>,
+    #[prost(string, optional, tag = "6")]
+    resource_version: Option<String>,
+    #[prost(message, optional, tag = "8")]
+    creation_timestamp: Option<ProtoTime>,
+    #[prost(message, optional, tag = "9")]
+    deletion_timestamp: Option<ProtoTime>,
+    #[prost(btree_map = "string, string", tag = "11")]
+    labels: BTreeMap<String, String>,
+    /// Map entries left encoded: only ours are decoded (`ours`).
+    #[prost(bytes = "bytes", repeated, tag = "12")]
+    annotations: Vec<Bytes>,
+    #[prost(string, repeated, tag = "14")]
+    finalizers: Vec<String>,
+}
+
+/// A map entry whose value stays a slice of the frame until we know we keep it.
+#[derive(Clone, PartialEq, Message)]
+struct AnnotationEntry {
+    #[prost(bytes = "bytes", tag = "1")]
+    key: Bytes,
+    #[prost(bytes = "bytes", tag = "2")]
+    value: Bytes,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct ProtoTime {
+    #[prost(int64, tag = "1")]
+    seconds: i64,
+    #[prost(int32, tag = "2")]
+    nanos: i32,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct DeploymentSpec {
+    #[prost(message, optional, tag = "3")]
+    template: Option<PodTemplateSpec>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct PodTemplateSpec {
+    #[prost(message, optional, tag = "2")]
+    spec: Option<PodSpec>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct PodSpec {
+    #[prost(string, optional, tag = "8")]
+    service_account_name: Option<String>,
+    #[prost(string, optional, tag = "9")]
+    service_account: Option<String>,
+}
+
+impl Deployment {
+    fn into_watched(self) -> WatchedDeployment {
+        let meta = self.metadata.unwrap_or_default();
+        let pod = self.spec.and_then(|s| s.template).and_then(|t| t.spec);
+        let (service_account_name, service_account) = pod.map_or((None, None), |p| {
+            (p.service_account_name, p.service_account)
+        });
+        WatchedDeployment::from_parts(
+            meta.into_object_meta(),
+            service_account_name,
+            service_account,
+        )
+    }
+}
+
+impl Meta {
+    /// As the JSON watch would have decoded it. An empty map or list is absent: Go omits
+    /// both from JSON (`omitempty`), so the two encodings agree on what "no annotations" is.
+    fn into_object_meta(self) -> ObjectMeta {
+        let Self {
+            name,
+            namespace,
+            uid,
+            resource_version,
+            creation_timestamp,
+            deletion_timestamp,
+            labels,
+            annotations,
+            finalizers,
+        } = self;
+        ObjectMeta {
+            name,
+            namespace,
+            uid,
+            resource_version,
+            creation_timestamp: creation_timestamp.and_then(ProtoTime::into_time),
+            deletion_timestamp: deletion_timestamp.and_then(ProtoTime::into_time),
+            labels: (!labels.is_empty()).then_some(labels),
+            annotations: (!annotations.is_empty()).then(|| ours(annotations)),
+            finalizers: (!finalizers.is_empty()).then_some(finalizers),
+            ..ObjectMeta::default()
+        }
+    }
+}
+
+/// Our annotations out of the encoded entries; a malformed entry or value is dropped like a
+/// foreign one (the decision then sees the annotation missing and rewrites it).
+fn ours(entries: Vec<Bytes>) -> BTreeMap<String, String> {
+    entries
+        .into_iter()
+        .filter_map(|entry| {
+            let AnnotationEntry { key, value } = AnnotationEntry::decode(entry).ok()?;
+            if !key.starts_with(OUR_ANNOTATION_PREFIX.as_bytes()) {
+                return None;
+            }
+            let key = std::str::from_utf8(&key).ok()?;
+            let value = std::str::from_utf8(&value).ok()?;
+            Some((key.to_owned(), value.to_owned()))
+        })
+        .collect()
+}
+
+impl ProtoTime {
+    fn into_time(self) -> Option<Time> {
+        Timestamp::new(self.seconds, self.nanos).ok().map(Time)
+    }
+}
+
+/// Encodes what a fake apiserver sends, for the watch loop's tests.
+#[cfg(test)]
+pub mod testing {
+    use super::*;
+
+    fn enveloped(kind: &str, raw: Vec<u8>) -> Bytes {
+        let envelope = Unknown {
+            type_meta: Some(TypeMeta { kind: kind.into() }),
+            raw: raw.into(),
+        };
+        [MAGIC, &envelope.encode_to_vec()].concat().into()
+    }
+
+    fn deployment(name: &str, resource_version: &str) -> Vec<u8> {
+        Deployment {
+            metadata: Some(Meta {
+                name: Some(name.into()),
+                namespace: Some("a".into()),
+                uid: Some(format!("uid-{name}")),
+                resource_version: Some(resource_version.into()),
+                ..Meta::default()
+            }),
+            spec: None,
+        }
+        .encode_to_vec()
+    }
+
+    fn status(code: i32, reason: &str) -> Vec<u8> {
+        Status {
+            message: format!("{reason} for a test"),
+            reason: reason.into(),
+            code,
+        }
+        .encode_to_vec()
+    }
+
+    /// One length-prefixed watch frame: `kind` (ADDED, DELETED, BOOKMARK..) of Deployment
+    /// `a/name` at `resource_version`.
+    pub fn frame(kind: &str, name: &str, resource_version: &str) -> Vec<u8> {
+        framed(
+            kind,
+            enveloped("Deployment", deployment(name, resource_version)),
+        )
+    }
+
+    /// A watch frame ending the watch with a Status.
+    pub fn error_frame(code: i32, reason: &str) -> Vec<u8> {
+        framed("ERROR", enveloped("Status", status(code, reason)))
+    }
+
+    fn framed(kind: &str, object: Bytes) -> Vec<u8> {
+        let event = WatchEvent {
+            kind: kind.into(),
+            object: Some(RawExtension { raw: object }),
+        }
+        .encode_to_vec();
+        let length = u32::try_from(event.len()).expect("small").to_be_bytes();
+        [&length[..], &event].concat()
+    }
+
+    /// A list response's body: Deployments `a/name` at resourceVersion 1.
+    pub fn page(names: &[&str], resource_version: &str, continue_token: &str) -> Bytes {
+        let list = DeploymentList {
+            metadata: Some(ListMeta {
+                resource_version: resource_version.into(),
+                continue_token: continue_token.into(),
+            }),
+            items: names
+                .iter()
+                .map(|name| Deployment::decode(&deployment(name, "1")[..]).expect("round trip"))
+                .collect(),
+        };
+        enveloped("DeploymentList", list.encode_to_vec())
+    }
+
+    /// An error response's body.
+    pub fn status_body(code: i32, reason: &str) -> Bytes {
+        enveloped("Status", status(code, reason))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::deployment::DeploymentRecord;
+
+    /// One real apiserver (v1.36) watch of one Deployment, read twice at once: as protobuf and
+    /// as JSON. Between them: our entry-id and a foreign annotation added, a label changed, a
+    /// delete held by our finalizer, the finalizer removed, the delete, a bookmark.
+    const WATCH_PB: &[u8] = include_bytes!("../../tests/fixtures/deployment-watch.pb");
+    const WATCH_JSON: &str = include_str!("../../tests/fixtures/deployment-watch.json");
+
+    fn frames(mut stream: BytesMut) -> Vec<Bytes> {
+        let mut frames = Vec::new();
+        while let Some(frame) = split_frame(&mut stream).expect("well-formed") {
+            frames.push(frame);
+        }
+        assert!(stream.is_empty(), "nothing left over");
+        frames
+    }
+
+    #[test]
+    fn protobuf_and_json_watches_of_the_same_changes_give_the_same_records() {
+        let events: Vec<Event> = frames(BytesMut::from(WATCH_PB))
+            .into_iter()
+            .map(|frame| decode_event(frame).expect("decodes"))
+            .collect();
+        let json: Vec<kube::api::WatchEvent<WatchedDeployment>> = WATCH_JSON
+            .lines()
+            .map(|line| serde_json::from_str(line).expect("JSON event"))
+            .collect();
+        assert_eq!(events.len(), 7);
+        assert_eq!(events.len(), json.len());
+        let record = |d: &WatchedDeployment| -> DeploymentRecord { d.record() };
+        for (i, (pb, json)) in events.iter().zip(&json).enumerate() {
+            use kube::api::WatchEvent as J;
+            match (pb, json) {
+                (Event::Applied(pb), J::Modified(json))
+                | (Event::Deleted(pb), J::Deleted(json)) => {
+                    assert_eq!(record(pb), record(json), "event {i}");
+                }
+                (Event::Bookmark(rv), J::Bookmark(json)) => {
+                    assert_eq!(rv, &json.metadata.resource_version, "event {i}");
+                }
+                other => panic!("event {i}: {other:?}"),
+            }
+        }
+        let Event::Applied(first) = &events[0] else {
+            panic!("MODIFIED first")
+        };
+        let first = first.record();
+        assert_eq!(&*first.service_account, "api");
+        assert_eq!(first.entry_id(), Some("abc123"));
+        assert_eq!(first.spiffe_id(), Some("spiffe://example.org/ns/pb/sa/api"));
+        assert!(first.has_finalizer());
+        assert!(first.created.is_some());
+        let Event::Applied(held) = &events[3] else {
+            panic!("the held delete is a MODIFIED")
+        };
+        assert!(held.record().deleting);
+    }
+
+    #[test]
+    fn only_our_annotations_are_kept() {
+        let Some(Event::Applied(first)) = frames(BytesMut::from(WATCH_PB))
+            .into_iter()
+            .next()
+            .map(|frame| decode_event(frame).expect("decodes"))
+        else {
+            panic!("MODIFIED first")
+        };
+        let annotations = first
+            .metadata
+            .annotations
+            .expect("the object has annotations");
+        let keys: Vec<&str> = annotations.keys().map(String::as_str).collect();
+        assert_eq!(
+            keys,
+            [
+                "registrar.spiffe.io/entry-id",
+                "registrar.spiffe.io/spiffe-id"
+            ]
+        );
+    }
+
+    #[test]
+    fn frames_split_at_every_boundary_a_stream_can_cut() {
+        let whole = frames(BytesMut::from(WATCH_PB));
+        for cut in [1, 3, 4, 5, 100, 9_552, 9_553, 20_000] {
+            let mut buffer = BytesMut::new();
+            let mut got = Vec::new();
+            for piece in WATCH_PB.chunks(cut) {
+                buffer.extend_from_slice(piece);
+                while let Some(frame) = split_frame(&mut buffer).expect("well-formed") {
+                    got.push(frame);
+                }
+            }
+            assert_eq!(got, whole, "cut every {cut} bytes");
+        }
+    }
+
+    #[test]
+    fn an_oversized_frame_is_refused_before_it_is_buffered() {
+        let mut buffer = BytesMut::from(&u32::MAX.to_be_bytes()[..]);
+        assert!(matches!(
+            split_frame(&mut buffer),
+            Err(WireError::FrameTooLarge(_))
+        ));
+    }
+
+    #[test]
+    fn a_status_is_read_from_an_error_body_and_a_gone_watch() {
+        let status = decode_status(Bytes::from_static(include_bytes!(
+            "../../tests/fixtures/status-not-found.pb"
+        )))
+        .expect("a Status");
+        assert_eq!(status.code, 404);
+        assert_eq!(status.reason, "NotFound");
+        assert!(status.message.contains("\"nope\" not found"), "{status}");
+        assert!(!status.is_gone());
+
+        // A watch the apiserver ends because its resourceVersion is too old, as it encodes it.
+        let gone = Status {
+            message: "too old resource version: 1 (300)".into(),
+            reason: "Expired".into(),
+            code: 410,
+        };
+        let envelope = Unknown {
+            type_meta: Some(TypeMeta {
+                kind: "Status".into(),
+            }),
+            raw: gone.encode_to_vec().into(),
+        };
+        let event = WatchEvent {
+            kind: "ERROR".into(),
+            object: Some(RawExtension {
+                raw: [MAGIC, &envelope.encode_to_vec()].concat().into(),
+            }),
+        };
+        let Event::Failed(status) = decode_event(event.encode_to_vec().into()).expect("decodes")
+        else {
+            panic!("an ERROR event is a failure")
+        };
+        assert!(status.is_gone(), "{status}");
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        for bytes in [
+            &b""[..],
+            b"\x0a\x05ADDED",
+            b"\x0a\x05ADDED\x12\x03\x0a\x01x",
+            b"\xff\xff",
+        ] {
+            assert!(
+                decode_event(Bytes::copy_from_slice(bytes)).is_err(),
+                "{bytes:?}"
+            );
+        }
+        assert!(matches!(
+            decode_page(Bytes::from_static(b"{\"kind\":\"DeploymentList\"}")),
+            Err(WireError::NoMagic)
+        ));
+    }
+}
