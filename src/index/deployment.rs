@@ -1,8 +1,9 @@
 //! A Deployment as the caches hold it: only what a decision reads. At 50,000 realistic
 //! Deployments the full object (kubectl's `last-applied-configuration`, the pod template,
 //! managed fields, status) would be gigabytes; k8s-openapi's `Deployment` alone is 2.4 KB
-//! before any string. The watch decodes straight into this shape: unknown fields are skipped
-//! by the parser without being allocated, and of the annotations only ours are kept.
+//! before any string. The watch (protobuf, `wire`) and the webhook (JSON, here) decode straight
+//! into this shape: unknown fields are skipped without being allocated, and of the annotations
+//! only ours are kept.
 
 use super::token::Token;
 use crate::controller::desired::{DeploymentKey, SaKey};
@@ -169,9 +170,9 @@ impl From<&Deployment> for DeploymentRecord {
     }
 }
 
-/// What the Deployment watch decodes. kube-runtime's watcher needs a `Resource` with an
-/// `ObjectMeta`; this one carries only the fields a record is built from, so decoding a 10 KB
-/// Deployment allocates a few short strings.
+/// What the Deployment watch and the webhook decode: only the fields a record is built from,
+/// so decoding a 10 KB Deployment allocates a few short strings. A `Resource` with an
+/// `ObjectMeta`, so kube's watch and admission types carry it.
 #[derive(Clone, Debug, Deserialize)]
 pub struct WatchedDeployment {
     #[serde(deserialize_with = "lean_metadata")]

@@ -1,8 +1,9 @@
 //! In-memory caches of the cluster state we decide from: opted-in Namespaces and
 //! SpiffeRegistrations (kube-runtime reflectors), and Deployments as compact records (our own
-//! store, see `deployment`). Every change a decision reads pokes `trigger` (a `Notify`:
-//! coalescing, never dropped), the controller's cue to re-derive desired state. The webhook reads the same caches; nothing here does I/O on
-//! a request path.
+//! store, see `deployment`, fed by our own protobuf list and watch, see `deployment_watch`).
+//! Every change a decision reads pokes `trigger` (a `Notify`: coalescing, never dropped), the
+//! controller's cue to re-derive desired state. The webhook reads the same caches; nothing
+//! here does I/O on a request path.
 
 mod batches;
 pub mod changes;
@@ -117,10 +118,10 @@ fn trim_metadata<K: Resource>(object: &mut K) {
 }
 
 /// Deployments per list page. A page is held twice while it is read (the body's chunks, then
-/// the body in one piece), and a Deployment as `kubectl apply` leaves it is ~13 KB of JSON
+/// the body in one piece), and a Deployment as `kubectl apply` leaves it is ~10 KB of protobuf
 /// (last-applied-configuration, managed fields, status): kube's default of 500 made the first
-/// list the process's heap peak (18.5 MiB live of pages at 3,000 Deployments, profiled with
-/// `--features heap-profile`). 100 costs a list request per 100 objects, a few hundred at
+/// list the process's heap peak (18.5 MiB live of JSON pages at 3,000 Deployments, profiled
+/// with `--features heap-profile`). 100 costs a list request per 100 objects, a few hundred at
 /// 50,000, once per relist.
 const DEPLOYMENT_LIST_PAGE: u32 = 100;
 
