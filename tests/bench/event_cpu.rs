@@ -5,6 +5,9 @@
 //! - an admission of a Deployment UPDATE: the AdmissionReview (object and oldObject) posted to
 //!   the webhook's router.
 //!
+//! And the decode alone of the same real watch events (tests/fixtures, one apiserver's stream
+//! read as JSON and as protobuf at once) in each encoding: what the protobuf watch saves.
+//!
 //! TLS and HTTP framing are not included on either path (the webhook bench measures them for
 //! admissions). The allocator is the system's, not the binary's jemalloc.
 //!
