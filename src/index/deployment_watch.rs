@@ -2,7 +2,8 @@
 //! speaks JSON only, so this is its loop for one resource, yielding the same events into the
 //! same `batches::drain_deployments`: list in pages (`Init`, `InitApply`.., `InitDone`), then
 //! watch from the list's resourceVersion with bookmarks, resume where the watch ended, list
-//! again when the apiserver says the resourceVersion is gone (410), and back off on errors.
+//! again when the apiserver says the resourceVersion is gone (410), and back off on errors and
+//! on watches something closes at once.
 
 use super::deployment::WatchedDeployment;
 use super::wire::{self, ApiStatus, WireError};
@@ -24,6 +25,9 @@ const WATCH_TIMEOUT_S: u64 = 290;
 /// A watch silent for longer than the apiserver's own timeout is a dead connection (no FIN ever
 /// arrived): dropped and resumed.
 const WATCH_IDLE: Duration = Duration::from_secs(WATCH_TIMEOUT_S + 5);
+
+/// A watch that ends sooner than this was not ended by the apiserver's timeout.
+const SHORT_WATCH: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum WatchError {
@@ -94,11 +98,17 @@ pub fn deployments(client: Client, page: u32) -> impl Stream<Item = DeploymentEv
             };
             let mut frames = Frames::new(body);
             let mut version = version;
+            let watching_since = tokio::time::Instant::now();
             loop {
                 let frame = match tokio::time::timeout(WATCH_IDLE, frames.next()).await {
                     Ok(Ok(Some(frame))) => frame,
                     // Ended by the apiserver (timeout) or silent for too long: resume.
                     Ok(Ok(None)) | Err(_) => {
+                        if watching_since.elapsed() < SHORT_WATCH {
+                            // Something between us and the apiserver (a proxy, a load
+                            // balancer) closes watches at once: no tight reconnect loop.
+                            backoff.wait().await;
+                        }
                         resource_version = Some(version);
                         break;
                     }
@@ -466,6 +476,27 @@ mod tests {
             ]
         );
         assert!(fake.done());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn watches_closed_at_once_are_retried_with_backoff_not_in_a_loop() {
+        let fake = Fake::default()
+            .then("limit=2", Reply::Ok(page(&["x"], "10", "")))
+            .then("resourceVersion=10", Reply::Ok(Bytes::new()))
+            .then("resourceVersion=10", Reply::Ok(Bytes::new()))
+            .then("resourceVersion=10", Reply::Ok(Bytes::new()));
+        let started = tokio::time::Instant::now();
+        let watch = tokio::spawn(deployments(fake.client(), 2).for_each(|_| async {}));
+        while !fake.done() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Two ends waited out before the third watch: at least 0.4 + 0.8 s of jittered backoff.
+        assert!(
+            started.elapsed() >= Duration::from_millis(1_200),
+            "{:?}",
+            started.elapsed()
+        );
+        watch.abort();
     }
 
     #[tokio::test(start_paused = true)]
