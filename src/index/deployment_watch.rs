@@ -161,18 +161,8 @@ async fn list_page(client: &Client, page: u32, token: &str) -> Result<wire::Page
         uri.push_str("&continue=");
         uri.push_str(&percent_encode(token));
     }
-    let request = get(&uri, LIST_ACCEPT);
-    let response = client.send(request).await.map_err(WatchError::List)?;
-    let status = response.status();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .map_err(WatchError::List)?
-        .to_bytes();
-    if !status.is_success() {
-        return Err(WatchError::Api(refusal(status, body)));
-    }
+    let body = send(client, &uri, LIST_ACCEPT, WatchError::List).await?;
+    let body = body.collect().await.map_err(WatchError::List)?.to_bytes();
     Ok(wire::decode_page(body)?)
 }
 
@@ -181,10 +171,18 @@ async fn start_watch(client: &Client, version: &str) -> Result<Body, WatchError>
         "{PATH}?watch=1&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}&resourceVersion={}",
         percent_encode(version)
     );
-    let response = client
-        .send(get(&uri, WATCH_ACCEPT))
-        .await
-        .map_err(WatchError::WatchStart)?;
+    send(client, &uri, WATCH_ACCEPT, WatchError::WatchStart).await
+}
+
+/// GETs `uri`: the body of a success, the apiserver's Status otherwise. `failed` names the
+/// step a transport error happened in.
+async fn send(
+    client: &Client,
+    uri: &str,
+    accept: &'static str,
+    failed: fn(kube::Error) -> WatchError,
+) -> Result<Body, WatchError> {
+    let response = client.send(get(uri, accept)).await.map_err(failed)?;
     let status = response.status();
     if status.is_success() {
         return Ok(response.into_body());
@@ -193,7 +191,7 @@ async fn start_watch(client: &Client, version: &str) -> Result<Body, WatchError>
         .into_body()
         .collect()
         .await
-        .map_err(WatchError::WatchStart)?
+        .map_err(failed)?
         .to_bytes();
     Err(WatchError::Api(refusal(status, body)))
 }

@@ -107,7 +107,7 @@ pub fn decode_event(frame: Bytes) -> Result<Event, WireError> {
                 bookmark.metadata.resource_version.unwrap_or_default(),
             ))
         }
-        "ERROR" => Ok(Event::Failed(status(raw)?)),
+        "ERROR" => Ok(Event::Failed(decode_status(raw)?)),
         _ => Err(WireError::UnknownEventType(kind)),
     }
 }
@@ -124,17 +124,13 @@ pub fn decode_page(body: Bytes) -> Result<Page, WireError> {
     })
 }
 
-/// Decodes an error response's body, when it is a protobuf Status.
-pub fn decode_status(body: Bytes) -> Result<ApiStatus, WireError> {
-    status(body)
-}
-
 fn deployment(raw: Bytes) -> Result<WatchedDeployment, WireError> {
     let raw = unwrap(raw, "Deployment")?;
     Ok(Deployment::decode(raw)?.into_watched())
 }
 
-fn status(raw: Bytes) -> Result<ApiStatus, WireError> {
+/// Decodes a Status: an error response's body, or an ERROR event's object.
+pub fn decode_status(raw: Bytes) -> Result<ApiStatus, WireError> {
     let raw = unwrap(raw, "Status")?;
     let Status {
         message,
