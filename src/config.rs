@@ -185,17 +185,36 @@ pub struct ClusterArgs {
         value_delimiter = ','
     )]
     pub previous_cluster_names: Vec<String>,
+
+    /// The name SPIRE's k8s_psat node attestor knows this cluster by (the key in the server's
+    /// `clusters` map, the agents' `cluster` setting). Policies that leave parentID unset
+    /// parent their entries to the node alias the registrar keeps for it, with the selector
+    /// `k8s_psat:cluster:<name>`. Default: --cluster-name.
+    #[arg(long, env = "REGISTRAR_NODE_ALIAS_CLUSTER")]
+    pub node_alias_cluster: Option<String>,
 }
 
 impl ClusterArgs {
     /// Checks the names now, so a typo fails at start-up (the ownership is built once the
     /// name is known, see `run::ownership`).
     pub fn check(&self) -> Result<(), ConfigError> {
-        if let Some(name) = &self.cluster_name {
-            Ownership::new(name)?;
-        }
-        Ownership::new("x")?.with_previous(&self.previous_cluster_names)?;
-        Ok(())
+        self.ownership(self.cluster_name.as_deref().unwrap_or("x"))
+            .map(|_| ())
+    }
+
+    /// Our entries' names under `cluster` (explicit or derived), with the previous names and
+    /// the node alias.
+    pub fn ownership(&self, cluster: &str) -> Result<Ownership, ConfigError> {
+        let Self {
+            cluster_name: _,
+            previous_cluster_names,
+            node_alias_cluster,
+        } = self;
+        let ownership = Ownership::new(cluster)?.with_previous(previous_cluster_names)?;
+        Ok(match node_alias_cluster {
+            Some(name) => ownership.with_node_alias_cluster(name)?,
+            None => ownership,
+        })
     }
 }
 
@@ -250,6 +269,8 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 pub enum ConfigError {
     #[error(transparent)]
     ClusterName(#[from] crate::spire::ownership::InvalidClusterName),
+    #[error(transparent)]
+    NodeAliasCluster(#[from] crate::spire::node_alias::InvalidNodeAliasCluster),
     #[error("invalid --namespace-label {0:?}: expected key=value")]
     NamespaceLabel(String),
     #[error("set exactly one of --spire-socket or --spire-address")]
@@ -267,9 +288,8 @@ pub enum ConfigError {
 /// Everything `run` needs, validated.
 #[derive(Clone, Debug)]
 pub struct Settings {
-    /// `None`: derive it from the cluster (`ownership::derived_cluster_name`).
-    pub cluster_name: Option<String>,
-    pub previous_cluster_names: Vec<String>,
+    /// Our cluster name (`None`: derived from the cluster), previous names, node alias.
+    pub cluster: ClusterArgs,
     pub decide: DecideSettings,
     pub opt_in: OptIn,
     pub webhook_addr: SocketAddr,
@@ -292,7 +312,7 @@ pub const KUBE_WRITE_TIMEOUT: Duration = Duration::from_secs(4);
 impl Settings {
     /// Our entries' names under `cluster` (explicit or derived), with the previous names.
     pub fn ownership(&self, cluster: &str) -> Result<Ownership, ConfigError> {
-        Ok(Ownership::new(cluster)?.with_previous(&self.previous_cluster_names)?)
+        self.cluster.ownership(cluster)
     }
 }
 
@@ -345,8 +365,7 @@ impl RunArgs {
         };
         election.check(client.retry.call_timeout.max(KUBE_WRITE_TIMEOUT))?;
         Ok(Settings {
-            cluster_name: self.cluster.cluster_name,
-            previous_cluster_names: self.cluster.previous_cluster_names,
+            cluster: self.cluster,
             decide: DecideSettings {
                 transition_grace: self.transition_grace,
                 scope_loss_grace: self.scope_loss_grace,

@@ -52,7 +52,7 @@ pub enum RunError {
 
 /// Our entries' names for this cluster (see `cluster_name`) and its previous names.
 async fn ownership(settings: &Settings, client: &kube::Client) -> Result<Ownership, RunError> {
-    let name = cluster_name(settings.cluster_name.as_deref(), client).await?;
+    let name = cluster_name(settings.cluster.cluster_name.as_deref(), client).await?;
     Ok(settings.ownership(&name)?)
 }
 

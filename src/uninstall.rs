@@ -136,10 +136,7 @@ pub async fn uninstall(args: UninstallArgs) -> Result<Report, UninstallError> {
     };
     if let Some(endpoint) = spire {
         let name = crate::run::cluster_name(cluster.cluster_name.as_deref(), &client).await?;
-        let ownership = Ownership::new(&name)
-            .map_err(ConfigError::from)?
-            .with_previous(&cluster.previous_cluster_names)
-            .map_err(ConfigError::from)?;
+        let ownership = cluster.ownership(&name)?;
         report.entries_deleted = Some(delete_our_entries(&endpoint, ownership).await?);
     }
     Ok(report)

@@ -24,12 +24,14 @@ use super::desired::{Coverage, DeploymentKey, Desired, SaKey, SaState};
 use super::record::MetadataChange;
 use super::view::Observed;
 use super::writer::FailedWrite;
+use crate::spire::node_alias::is_node_alias;
 use crate::spire::{Entry, ItemError, Ownership};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod node_alias;
 #[cfg(test)]
 mod tests;
 
@@ -339,7 +341,10 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
     let replaced: BTreeSet<String> = plan.delete.iter().map(|e| e.id.clone()).collect();
     let mut scope_lost_due = Vec::new();
     let mut out_of_scope = BTreeSet::new();
-    for entry in covered().filter(|e| !serving.contains(&e.id) && !replaced.contains(&e.id)) {
+    // Node aliases serve agents, not service accounts: `node_alias` decides them.
+    let unserved = covered()
+        .filter(|e| !serving.contains(&e.id) && !replaced.contains(&e.id) && !is_node_alias(e));
+    for entry in unserved {
         let sa = SaKey::of_entry(entry);
         let account = sa.as_ref().and_then(|sa| desired.service_accounts.get(sa));
         let transition = |by: &String| {
@@ -422,6 +427,7 @@ pub fn spire_plan(input: &Input, memory: &mut Memory) -> SpirePlan {
         &mut plan,
     );
     plan.recheck = recheck(&plan, now);
+    node_alias::plan_node_aliases(input, memory, &mut plan);
     plan
 }
 

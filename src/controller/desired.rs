@@ -485,7 +485,7 @@ mod tests {
             })),
             Arc::new(mk_policy("for-cron", 2, |s| {
                 s.deployment_selector = Some(mk_selector(&[("app", "cron")]));
-                s.parent_id = "spiffe://example.org/other".into();
+                s.parent_id = Some("spiffe://example.org/other".into());
             })),
         ];
         let desired = compute(&o, &OptIn::default(), &deployments, &enabled, &policies);

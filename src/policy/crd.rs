@@ -49,7 +49,7 @@ pub const DEFAULT_SPIFFE_ID_TEMPLATE: &str =
         json_path = ".metadata.creationTimestamp"
     )
 )]
-#[x_kube(validation = Rule::new("self.parentID.startsWith('spiffe://' + self.trustDomain + '/')").message("parentID must be in trustDomain"))]
+#[x_kube(validation = Rule::new("!has(self.parentID) || self.parentID.startsWith('spiffe://' + self.trustDomain + '/')").message("parentID must be in trustDomain"))]
 #[serde(rename_all = "camelCase")]
 pub struct SpiffeRegistrationSpec {
     /// Trust domain of the SPIFFE IDs, e.g. `example.org` (no scheme).
@@ -57,11 +57,15 @@ pub struct SpiffeRegistrationSpec {
     #[schemars(length(max = 255))]
     pub trust_domain: String,
 
-    /// Parent ID of every entry, e.g. the SPIFFE ID of a node-alias entry for this cluster.
-    #[serde(rename = "parentID")]
+    /// Parent ID of every entry. Unset: the node alias the registrar maintains for this
+    /// cluster (`spiffe://<trustDomain>/spiffe-registrar/k8s-psat/<--node-alias-cluster>`,
+    /// selector `k8s_psat:cluster:<name>`), which every agent attested by SPIRE's k8s_psat
+    /// node attestor in this cluster holds. Set: an ID you maintain (every agent that should
+    /// serve these workloads must be, or alias, this ID).
+    #[serde(rename = "parentID", default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self.matches('^spiffe://[a-z0-9._-]+(/[A-Za-z0-9._-]+)+$')").message("parentID must be a SPIFFE ID with a path"))]
     #[schemars(length(max = 2048))]
-    pub parent_id: String,
+    pub parent_id: Option<String>,
 
     /// X.509-SVID lifetime, e.g. `1h` or `90m` (units h, m, s). Unset: the SPIRE server's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]

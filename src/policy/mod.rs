@@ -188,7 +188,7 @@ mod tests {
             s.deployment_selector = Some(crate::policy::testing::mk_selector(&[("app", "web")]))
         });
         let broken = mk_policy("broken", 10, |s| {
-            s.parent_id = "spiffe://elsewhere/x".into()
+            s.parent_id = Some("spiffe://elsewhere/x".into())
         });
         let web = mk_deployment("ns", "web", Some("api"), &[("app", "web")]);
         let db = mk_deployment("ns", "db", None, &[("app", "db")]);

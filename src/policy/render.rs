@@ -160,13 +160,15 @@ pub fn valid_dns_name(name: &str) -> bool {
 
 /// Checks what does not depend on a workload; the controller reports these on the policy.
 pub fn validate(spec: &SpiffeRegistrationSpec) -> Result<(), RenderError> {
-    // Any syntactically valid workload exercises every check that does not depend on it.
+    // Any syntactically valid workload exercises every check that does not depend on it; the
+    // node alias's ID is valid by construction.
     render_unclaimed(
         spec,
         &Workload {
             namespace: "default",
             service_account: "default",
         },
+        &|trust_domain| format!("spiffe://{trust_domain}/node-alias"),
     )
     .map(|_| ())
 }
@@ -179,20 +181,31 @@ pub fn render(
     workload: &Workload,
     ownership: &Ownership,
 ) -> Result<Entry, RenderError> {
-    render_unclaimed(spec, workload).map(|entry| ownership.claim(entry))
+    render_unclaimed(spec, workload, &|trust_domain| {
+        ownership.node_alias_id(trust_domain)
+    })
+    .map(|entry| ownership.claim(entry))
 }
 
 /// Everything but the ID and hint, which only `Ownership::claim` sets: this value never
 /// leaves the module unclaimed.
+/// `node_alias` gives the parent of a policy that leaves parentID unset, in a trust domain.
 fn render_unclaimed(
     spec: &SpiffeRegistrationSpec,
     workload: &Workload,
+    node_alias: &dyn Fn(&str) -> String,
 ) -> Result<Entry, RenderError> {
     let td = spec.trust_domain.as_str();
     if !valid_trust_domain(td) {
         return Err(RenderError::TrustDomain(td.to_string()));
     }
-    check(&spec.parent_id, td, false).map_err(RenderError::ParentId)?;
+    let parent_id = match &spec.parent_id {
+        Some(parent_id) => {
+            check(parent_id, td, false).map_err(RenderError::ParentId)?;
+            parent_id.clone()
+        }
+        None => node_alias(td),
+    };
     let template = spec
         .spiffe_id_template
         .as_deref()
@@ -235,7 +248,7 @@ fn render_unclaimed(
     Ok(Entry {
         id: String::new(),
         spiffe_id,
-        parent_id: spec.parent_id.clone(),
+        parent_id,
         selectors,
         x509_svid_ttl,
         jwt_svid_ttl,
@@ -272,6 +285,24 @@ mod tests {
     }
 
     #[test]
+    fn an_unset_parent_is_the_node_alias_of_the_psat_cluster() {
+        let spec = SpiffeRegistrationSpec {
+            parent_id: None,
+            ..mk_spec()
+        };
+        let ownership = ownership()
+            .with_node_alias_cluster("bed")
+            .expect("valid psat name");
+        let entry = render(&spec, &WL, &ownership).expect("valid");
+        assert_eq!(
+            entry.parent_id,
+            "spiffe://example.org/spiffe-registrar/k8s-psat/bed"
+        );
+        assert!(ownership.node_alias_for(&entry.parent_id).is_some());
+        assert_eq!(validate(&spec), Ok(()));
+    }
+
+    #[test]
     fn table_of_policy_errors() {
         type Edit = fn(&mut SpiffeRegistrationSpec);
         let cases: Vec<(&str, Edit, &str)> = vec![
@@ -282,12 +313,12 @@ mod tests {
             ),
             (
                 "parent in other domain",
-                |s| s.parent_id = "spiffe://other.org/x".into(),
+                |s| s.parent_id = Some("spiffe://other.org/x".into()),
                 "InvalidParentID",
             ),
             (
                 "parent without path",
-                |s| s.parent_id = "spiffe://example.org".into(),
+                |s| s.parent_id = Some("spiffe://example.org".into()),
                 "InvalidParentID",
             ),
             (

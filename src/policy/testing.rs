@@ -13,7 +13,7 @@ pub fn ownership() -> crate::spire::Ownership {
 pub fn mk_spec() -> SpiffeRegistrationSpec {
     SpiffeRegistrationSpec {
         trust_domain: "example.org".into(),
-        parent_id: "spiffe://example.org/k8s/nodes".into(),
+        parent_id: Some("spiffe://example.org/k8s/nodes".into()),
         ttl: Some("1h".into()),
         jwt_ttl: None,
         namespace_selector: None,

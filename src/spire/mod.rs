@@ -12,6 +12,7 @@ pub mod convert;
 #[cfg(test)]
 pub mod memory;
 pub mod metrics;
+pub mod node_alias;
 pub mod ownership;
 pub mod proto;
 pub mod rate_limit;

@@ -16,6 +16,7 @@
 //! - **rename** (`--previous-cluster-name`): entries named `sreg.<old>.…` with the old hint
 //!   are recognised, kept in place while needed (re-hinted as adopted) and deleted when not.
 
+use super::node_alias;
 use super::types::{Entry, Selector};
 use sha2::{Digest, Sha256};
 
@@ -52,6 +53,8 @@ pub struct Ownership {
     adopted_hint: String,
     /// (ID prefix, hint) of earlier cluster names whose entries migrate to this one.
     previous: Vec<(String, String)>,
+    /// The name SPIRE's k8s_psat node attestor knows this cluster by (`node_alias`).
+    node_alias_cluster: String,
 }
 
 impl Ownership {
@@ -74,7 +77,37 @@ impl Ownership {
             hint: format!("{HINT_PREFIX}{cluster}"),
             adopted_hint: format!("{HINT_PREFIX}{cluster}/adopted"),
             previous: Vec::new(),
+            node_alias_cluster: cluster.to_string(),
         })
+    }
+
+    /// Names the node alias after `cluster` (SPIRE's k8s_psat name for this cluster) instead
+    /// of our own cluster name.
+    pub fn with_node_alias_cluster(
+        mut self,
+        cluster: &str,
+    ) -> Result<Self, node_alias::InvalidNodeAliasCluster> {
+        node_alias::check_cluster(cluster)?;
+        self.node_alias_cluster = cluster.to_string();
+        Ok(self)
+    }
+
+    /// The k8s_psat cluster name our node alias selects.
+    pub fn node_alias_cluster(&self) -> &str {
+        &self.node_alias_cluster
+    }
+
+    /// The SPIFFE ID of our node alias in `trust_domain`: the parent of entries whose policy
+    /// leaves parentID unset.
+    pub fn node_alias_id(&self, trust_domain: &str) -> String {
+        node_alias::spiffe_id(trust_domain, &self.node_alias_cluster)
+    }
+
+    /// Our node alias entry (claimed) when `parent_id` is our node alias's SPIFFE ID.
+    pub fn node_alias_for(&self, parent_id: &str) -> Option<Entry> {
+        let trust_domain = node_alias::trust_domain_of(parent_id)?;
+        (parent_id == self.node_alias_id(trust_domain))
+            .then(|| self.claim(node_alias::entry(trust_domain, &self.node_alias_cluster)))
     }
 
     /// Also recognises the entries written under earlier cluster names (a rename).
@@ -272,6 +305,34 @@ mod tests {
             "another cluster's adopted entries are not ours"
         );
         assert_eq!(o.hints().len(), 3);
+    }
+
+    #[test]
+    fn the_node_alias_is_ours_and_named_by_the_psat_cluster() {
+        let o = ownership()
+            .with_node_alias_cluster("bed")
+            .expect("valid psat name");
+        let id = o.node_alias_id("example.org");
+        assert_eq!(id, "spiffe://example.org/spiffe-registrar/k8s-psat/bed");
+        let alias = o.node_alias_for(&id).expect("our alias's ID");
+        assert!(o.is_ours(&alias));
+        assert!(node_alias::is_node_alias(&alias));
+        assert_eq!(
+            alias.id,
+            o.entry_id(&alias.spiffe_id, &alias.parent_id, &alias.selectors)
+        );
+        assert_eq!(o.node_alias_for("spiffe://example.org/k8s/nodes"), None);
+        assert_eq!(
+            o.node_alias_for("spiffe://example.org/spiffe-registrar/k8s-psat/other"),
+            None,
+            "another psat name's alias is not the one we maintain"
+        );
+        assert_eq!(
+            ownership().node_alias_cluster(),
+            "prod-eu1",
+            "defaults to --cluster-name"
+        );
+        assert!(ownership().with_node_alias_cluster("a/b").is_err());
     }
 
     #[test]

@@ -912,3 +912,5 @@ fn a_service_account_change_seen_by_a_scoped_sync_is_a_transition() {
         "the bystander's slot survived the scoped syncs"
     );
 }
+
+mod node_alias;

@@ -40,6 +40,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- $flags := list
   (list "clusterName" "cluster-name")
   (list "previousClusterNames" "previous-cluster-name")
+  (list "nodeAliasCluster" "node-alias-cluster")
   (list "namespaceLabel" "namespace-label")
   (list "transitionGrace" "transition-grace")
   (list "scopeLossGrace" "scope-loss-grace")
