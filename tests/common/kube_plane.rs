@@ -1,6 +1,6 @@
 //! etcd + kube-apiserver + kube-controller-manager on loopback, with an admin kubeconfig.
 //!
-//! kube-controller-manager runs the deployment, replicaset, namespace and garbage-collector
+//! kube-controller-manager runs the deployment, replicaset, daemonset, namespace and garbage-collector
 //! controllers, so tests see what a real cluster does to Deployments: status rewritten on every
 //! rollout step, ReplicaSets and Pods created (Pending: there is no scheduler or kubelet), and
 //! namespaces deleted by the namespace controller.
@@ -20,6 +20,8 @@ pub struct KubePlane {
     pub kubeconfig: PathBuf,
     /// PEM of the CA that signed the apiserver's serving cert and the admin client cert.
     pub ca_pem: String,
+    /// That CA, which the apiserver trusts for client certificates (a node's, for one).
+    pub ca: TestCa,
 }
 
 impl KubePlane {
@@ -60,6 +62,8 @@ impl KubePlane {
             "--endpoint-reconciler-type=none".into(),
             "--service-cluster-ip-range=10.0.0.0/24".into(),
             "--allow-privileged=true".into(),
+            // The node registers as 127.0.0.1; its name does not resolve.
+            "--kubelet-preferred-address-types=InternalIP,Hostname".into(),
             // No kube-controller-manager runs, so nobody would create `default` ServiceAccounts.
             "--disable-admission-plugins=ServiceAccount".into(),
             "--authorization-mode=RBAC".into(),
@@ -88,7 +92,8 @@ impl KubePlane {
             controller_manager,
             url,
             kubeconfig,
-            ca_pem: ca.cert_pem,
+            ca_pem: ca.cert_pem.clone(),
+            ca,
         };
         plane.wait_ready();
         plane
@@ -165,7 +170,7 @@ fn start_controller_manager(dir: &Path, kubeconfig: &Path) -> ManagedProcess {
     let mut command = Command::new(binary(kube_bin(), "kube-controller-manager"));
     command.args([
         format!("--kubeconfig={}", kubeconfig.display()),
-        "--controllers=deployment-controller,replicaset-controller,namespace-controller,garbage-collector-controller".into(),
+        "--controllers=deployment-controller,replicaset-controller,daemonset-controller,namespace-controller,garbage-collector-controller,node-lifecycle-controller".into(),
         "--secure-port=0".into(),
         "--leader-elect=true".into(),
         // It is the only candidate: a long term keeps it leading while 50,000 Deployments hold
@@ -210,7 +215,7 @@ fn start_etcd(dir: &Path) -> (ManagedProcess, String) {
     (etcd, client_url)
 }
 
-fn kubeconfig_yaml(url: &str, ca_pem: &str, cert_pem: &str, key_pem: &str) -> String {
+pub fn kubeconfig_yaml(url: &str, ca_pem: &str, cert_pem: &str, key_pem: &str) -> String {
     use base64_pem as b64;
     format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    \

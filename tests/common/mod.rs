@@ -14,12 +14,15 @@
 pub mod certs;
 pub mod k8s;
 pub mod kube_plane;
+pub mod node;
+pub mod node_agent;
 pub mod paths;
 pub mod postgres;
 pub mod process;
 pub mod proxy;
 pub mod realistic;
 pub mod registrar;
+pub mod reports;
 pub mod sampler;
 pub mod scale;
 pub mod spire;

@@ -66,3 +66,39 @@ pub fn free_port() -> u16 {
         .map(|addr| addr.port())
         .expect("binding 127.0.0.1:0 must succeed")
 }
+
+/// Directory holding `containerd`, `ctr` and `containerd-shim-runc-v2`.
+pub fn containerd_bin() -> PathBuf {
+    cache_root().join(format!("containerd-{}/bin", pinned("CONTAINERD_VERSION")))
+}
+
+/// Directory holding `runc` (built with seccomp).
+pub fn runc_bin() -> PathBuf {
+    cache_root().join(format!("runc-{}-seccomp/bin", pinned("RUNC_VERSION")))
+}
+
+/// Directory holding the CNI plugins `bridge`, `host-local` and `loopback`.
+pub fn cni_bin() -> PathBuf {
+    cache_root().join(format!("cni-plugins-{}/bin", pinned("CNI_PLUGINS_VERSION")))
+}
+
+/// Directory holding the node's image archives (`pause.tar`, `workload.tar`): keyed like
+/// `BED_IMAGES` in paths.sh, by the SPIRE version and a hash of the workload module's files.
+pub fn bed_images() -> PathBuf {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    for part in [
+        &include_bytes!("../testenv/go/workload/go.mod")[..],
+        include_bytes!("../testenv/go/workload/go.sum"),
+        include_bytes!("../testenv/go/workload/pause/main.go"),
+        include_bytes!("../testenv/go/workload/svid-watch/main.go"),
+    ] {
+        hasher.update(part);
+    }
+    let hex: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    cache_root().join(format!("images-{}-{}", pinned("SPIRE_VERSION"), &hex[..12]))
+}

@@ -23,12 +23,18 @@ impl SpireServer {
         self.dir.join("data/datastore.sqlite3")
     }
 
+    /// A server on SQLite whose agents attest by join token only.
     pub fn start(dir: &Path) -> Self {
-        Self::start_with(dir, None)
+        Self::start_with(dir, None, None)
     }
 
-    /// Starts the server on `postgres` when given, else on SQLite in its data directory.
-    pub fn start_with(dir: &Path, postgres: Option<&super::postgres::Postgres>) -> Self {
+    /// Starts the server on `postgres` when given, else on SQLite in its data directory. Agents
+    /// attest by join token, and with `kubeconfig` (the bed's apiserver) by `k8s_psat` too.
+    pub fn start_with(
+        dir: &Path,
+        postgres: Option<&super::postgres::Postgres>,
+        kubeconfig: Option<&Path>,
+    ) -> Self {
         let dir = dir.join("ss");
         std::fs::create_dir_all(&dir).expect("spire-server dir must be creatable");
         let socket = dir.join("api.sock");
@@ -62,7 +68,7 @@ plugins {{
   NodeAttestor "join_token" {{
     plugin_data {{}}
   }}
-  KeyManager "disk" {{
+{psat}  KeyManager "disk" {{
     plugin_data {{
       keys_path = "{data}/keys.json"
     }}
@@ -71,6 +77,7 @@ plugins {{
 "#,
                 socket = socket.display(),
                 data = data.display(),
+                psat = kubeconfig.map(psat_attestor).unwrap_or_default(),
             ),
         )
         .expect("server.conf must be writable");
@@ -145,6 +152,26 @@ plugins {{
     pub fn stop(&mut self) {
         self.process.stop(Duration::from_secs(10));
     }
+}
+
+/// The `k8s_psat` node attestor for the bed's cluster: agents of service account
+/// spire/spire-agent, their tokens reviewed by the apiserver behind `kubeconfig`.
+fn psat_attestor(kubeconfig: &Path) -> String {
+    format!(
+        r#"  NodeAttestor "k8s_psat" {{
+    plugin_data {{
+      clusters = {{
+        "{cluster}" = {{
+          service_account_allow_list = ["spire:spire-agent"]
+          kube_config_file = "{kubeconfig}"
+        }}
+      }}
+    }}
+  }}
+"#,
+        cluster = super::node_agent::PSAT_CLUSTER,
+        kubeconfig = kubeconfig.display(),
+    )
 }
 
 fn spawn_server(config: &Path, log_dir: &Path) -> ManagedProcess {

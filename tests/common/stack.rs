@@ -2,6 +2,8 @@
 //! (`Stack::start`), plus a sentinel that cleans up when the test binary dies.
 
 use super::kube_plane::KubePlane;
+use super::node::Node;
+use super::node_agent::NodeAgent;
 use super::postgres::{Datastore, Postgres};
 use super::process::run;
 use super::spire::{SpireAgent, SpireServer};
@@ -19,11 +21,14 @@ pub struct Stack {
     pub spire_agent: SpireAgent,
     /// spire-server's datastore when it is PostgreSQL (stopped after the server).
     pub postgres: Option<Postgres>,
+    /// The node and the SPIRE agent DaemonSet on it, for tests that run Pods.
+    pub node: Option<(Node, NodeAgent)>,
     sentinel: Child,
     dir: tempfile::TempDir,
 }
 
 static SHARED: OnceLock<Stack> = OnceLock::new();
+static SHARED_WITH_NODE: OnceLock<Stack> = OnceLock::new();
 
 impl Stack {
     /// Starts etcd, kube-apiserver, spire-server and spire-agent, each ready when this returns.
@@ -33,6 +38,21 @@ impl Stack {
 
     /// As `start`, with spire-server on `datastore`.
     pub fn start_with(datastore: Datastore) -> Self {
+        Self::start_bed(datastore, false)
+    }
+
+    /// As `start`, plus a node (kubelet, containerd, kube-scheduler) running the SPIRE agent
+    /// as a DaemonSet attested by k8s_psat: for tests that run Pods.
+    pub fn start_with_node() -> Self {
+        Self::start_bed(Datastore::Sqlite, true)
+    }
+
+    /// `start_with_node`, once per test binary (see `shared`).
+    pub fn shared_with_node() -> &'static Stack {
+        SHARED_WITH_NODE.get_or_init(Stack::start_with_node)
+    }
+
+    fn start_bed(datastore: Datastore, with_node: bool) -> Self {
         let started = Instant::now();
         // Short path: Unix socket paths must stay under ~108 bytes.
         let dir = tempfile::Builder::new()
@@ -42,16 +62,36 @@ impl Stack {
         let sentinel = spawn_sentinel(dir.path());
         let kube = KubePlane::start(dir.path());
         let postgres = (datastore == Datastore::Postgres).then(|| Postgres::start(dir.path()));
-        let spire_server = SpireServer::start_with(dir.path(), postgres.as_ref());
+        let spire_server =
+            SpireServer::start_with(dir.path(), postgres.as_ref(), Some(&kube.kubeconfig));
         if datastore == Datastore::SqliteAnalyzed {
             super::sqlite::write_planner_statistics(&spire_server.sqlite_database());
         }
         let spire_agent = SpireAgent::start(dir.path(), &spire_server);
+        // Known to the sentinel before the node starts (a kill during a slow start must not
+        // leave the control plane running).
+        let groups = [
+            kube.etcd.pgid(),
+            kube.apiserver.pgid(),
+            kube.controller_manager.pgid(),
+            spire_server.process.pgid(),
+            spire_agent.process.pgid(),
+        ];
+        let listed: Vec<String> = groups.iter().map(i32::to_string).collect();
+        std::fs::write(dir.path().join("pgids"), listed.join("\n"))
+            .expect("the pgid list must be writable");
+        // The node's teardown.sh, which the sentinel runs, covers it from its first process.
+        let node = with_node.then(|| {
+            let node = Node::start(dir.path(), &kube);
+            let agent = NodeAgent::deploy(&kube, &spire_server, &node);
+            (node, agent)
+        });
         let stack = Self {
             kube,
             spire_server,
             spire_agent,
             postgres,
+            node,
             sentinel,
             dir,
             tracked: std::sync::Mutex::new(Vec::new()),
@@ -86,6 +126,7 @@ impl Stack {
             self.spire_agent.process.pgid(),
         ];
         groups.extend(self.postgres.as_ref().map(|p| p.process.pgid()));
+        groups.extend(self.node.iter().flat_map(|(node, _)| node.pgids()));
         groups
     }
 
@@ -126,8 +167,20 @@ impl Stack {
         .expect("the set-up thread must not panic")
     }
 
+    /// The node and its agent; panics on a stack started without one.
+    pub fn node(&self) -> (&Node, &NodeAgent) {
+        let (node, agent) = self
+            .node
+            .as_ref()
+            .expect("this stack has no node: start it with Stack::start_with_node");
+        (node, agent)
+    }
+
     /// Prints every log's tail; call from a test's failure path.
     pub fn dump_logs(&self) {
+        if let Some((node, _)) = &self.node {
+            node.dump_logs();
+        }
         for process in [
             &self.kube.etcd,
             &self.kube.apiserver,
@@ -155,6 +208,9 @@ impl Stack {
         // freed and could be reused); TempDir's drop removes the directory instead.
         let _ = self.sentinel.kill();
         let _ = self.sentinel.wait();
+        if let Some((mut node, _)) = self.node.take() {
+            node.stop();
+        }
         self.spire_agent.stop();
         self.spire_server.stop();
         self.postgres.take();
@@ -188,7 +244,8 @@ impl Drop for LogsOnPanic<'_> {
 /// test binary's group (a CI job runner, a terminal) does not kill the sentinel with it.
 fn spawn_sentinel(dir: &Path) -> Child {
     let script = format!(
-        "read _; kill -KILL -- $(sed 's/^/-/' '{dir}/pgids' 2>/dev/null) 2>/dev/null; rm -rf '{dir}'",
+        "read _; [ -f '{dir}/node/teardown.sh' ] && bash '{dir}/node/teardown.sh'; \
+         kill -KILL -- $(sed 's/^/-/' '{dir}/pgids' 2>/dev/null) 2>/dev/null; rm -rf '{dir}'",
         dir = dir.display()
     );
     // bash, not sh: dash's `kill` cannot signal a process group (no `--`, `-pgid` is an option).

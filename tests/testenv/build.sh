@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds the real peers the tests run against (etcd, kube-apiserver, kube-controller-manager,
-# kubectl, spire-server, spire-agent) and the tools the chart and monitoring tests use (helm,
-# promtool) from Go modules at the versions in versions.env, and cargo-deny from crates.io,
-# into a cache outside the repo.
+# kube-scheduler, kubectl, spire-server, spire-agent), the node that runs Pods (kubelet,
+# containerd, runc, CNI plugins, and two images: a sandbox and the workload with a static
+# spire-agent) and the tools the chart and monitoring tests use (helm, promtool) from Go modules
+# at the versions in versions.env, and cargo-deny from crates.io, into a cache outside the repo.
 # Whatever is already cached is not rebuilt. Prints the bin directories on the last lines.
 #
-#   --peers-only              only the control plane (kube, etcd, spire): what tests/demo runs
+#   --peers-only              only the control plane, SPIRE and the node: what tests/demo runs
 #   SPIFFE_REGISTRAR_TESTENV  cache root (default ~/.cache/spiffe-registrar/testenv)
 set -euo pipefail
 peers_only=false
@@ -31,6 +32,12 @@ ensure_prerequisites() {
   if ! command -v make >/dev/null; then
     log "installing make (needed to build jemalloc)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq make
+  fi
+  # runc must be built with seccomp: the kubelet asks for the RuntimeDefault profile.
+  if [[ ! -x "$RUNC_BIN/runc" ]] && ! pkg-config --exists libseccomp 2>/dev/null \
+      && [[ ! -f /usr/include/seccomp.h ]]; then
+    log "installing libseccomp-dev (runc's seccomp support)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libseccomp-dev pkg-config
   fi
 }
 
@@ -65,17 +72,19 @@ else
   # `go build` names the etcd binary after its package directory ("server").
   mv "$KUBE_BIN/server" "$KUBE_BIN/etcd"
 fi
-# Caches made before kube-controller-manager joined the bed get it added, nothing rebuilt.
-if [[ ! -x "$KUBE_BIN/kube-controller-manager" ]]; then
-  log "adding kube-controller-manager ${KUBERNETES_VERSION} to $KUBE_BIN"
+# Components that joined the bed after its first cache was made are added to it, nothing
+# rebuilt: kube-controller-manager, and the node's kubelet and kube-scheduler.
+for component in kube-controller-manager kubelet kube-scheduler; do
+  [[ -x "$KUBE_BIN/$component" ]] && continue
+  log "adding $component ${KUBERNETES_VERSION} to $KUBE_BIN"
   tmp=$(mktemp -d "${KUBE_BIN}.partial.XXXXXX")
   start=$SECONDS
   ( cd "$here/go/kube" && CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -p 2 -trimpath \
-      -ldflags "$kube_stamp" -o "$tmp/" k8s.io/kubernetes/cmd/kube-controller-manager )
-  mv "$tmp/kube-controller-manager" "$KUBE_BIN/kube-controller-manager"
+      -ldflags "$kube_stamp" -o "$tmp/" "k8s.io/kubernetes/cmd/$component" )
+  mv "$tmp/$component" "$KUBE_BIN/$component"
   rmdir "$tmp"
-  log "built kube-controller-manager in $((SECONDS - start))s"
-fi
+  log "built $component in $((SECONDS - start))s"
+done
 
 if [[ -x "$SPIRE_BIN/spire-server" && -x "$SPIRE_BIN/spire-agent" ]]; then
   log "cached: $SPIRE_BIN"
@@ -97,8 +106,72 @@ build_tool() {
   fi
 }
 
+# The node's runtime: each piece cached under its own version (build_node_piece DEST_BIN CGO
+# TAGS MODULE_DIR PACKAGE...).
+build_node_piece() {
+  local dest=$1 cgo=$2 tags=$3 module_dir=$4; shift 4
+  if [[ -x "$dest/$(basename "$1")" ]]; then
+    log "cached: $dest"
+    return
+  fi
+  log "building $(printf '%s ' "$@" | sed 's#[^ ]*/##g')(node runtime)"
+  build_into "$(dirname "$dest")" "$module_dir" "$cgo" "-s -w" -tags "$tags" "$@"
+}
+build_node_piece "$CONTAINERD_BIN" 1 "no_btrfs urfave_cli_no_docs" "$here/go/containerd" \
+  github.com/containerd/containerd/v2/cmd/containerd github.com/containerd/containerd/v2/cmd/ctr \
+  github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2
+build_node_piece "$RUNC_BIN" 1 "seccomp urfave_cli_no_docs" "$here/go/runc" \
+  github.com/opencontainers/runc
+build_node_piece "$CNI_BIN" 0 "" "$here/go/cni" \
+  github.com/containernetworking/plugins/plugins/main/bridge \
+  github.com/containernetworking/plugins/plugins/ipam/host-local \
+  github.com/containernetworking/plugins/plugins/main/loopback
+
+# image_archive OUT REPO:TAG ENTRYPOINT ROOT: a one-layer docker-archive (what
+# `ctr images import` reads) of the directory ROOT, without a registry.
+image_archive() {
+  local out=$1 ref=$2 entrypoint=$3 root=$4 work
+  work=$(mktemp -d)
+  tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$root" -cf "$work/layer.tar" .
+  local diff_id; diff_id=$(sha256sum "$work/layer.tar" | cut -d' ' -f1)
+  printf '{"architecture":"amd64","os":"linux","config":{"Entrypoint":["%s"]},"rootfs":{"type":"layers","diff_ids":["sha256:%s"]}}' \
+    "$entrypoint" "$diff_id" > "$work/config.json"
+  local config_id; config_id=$(sha256sum "$work/config.json" | cut -d' ' -f1)
+  mv "$work/config.json" "$work/$config_id.json"
+  printf '[{"Config":"%s.json","RepoTags":["%s"],"Layers":["layer.tar"]}]' "$config_id" "$ref" \
+    > "$work/manifest.json"
+  tar -C "$work" -cf "$out" manifest.json "$config_id.json" layer.tar
+  rm -rf "$work"
+}
+
+# The node's images: the sandbox (pause) and the workload (svid-watch, and spire-agent built
+# without CGO so that it runs in an image with no libc, as the agent DaemonSet's container).
+if [[ -f "$BED_IMAGES/workload.tar" ]]; then
+  log "cached: $BED_IMAGES"
+else
+  log "building the node's images (pause, svid-watch, a static spire-agent ${SPIRE_VERSION})"
+  start=$SECONDS
+  tmp=$(mktemp -d "${BED_IMAGES}.partial.XXXXXX")
+  ( cd "$here/go/workload" && CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -p 2 -trimpath \
+      -ldflags "-s -w" -o "$tmp/pause/" ./pause && \
+    CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -p 2 -trimpath -ldflags "-s -w" \
+      -o "$tmp/workload/" ./svid-watch )
+  ( cd "$here/go/spire" && CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -p 2 -trimpath \
+      -ldflags "-s -w" -o "$tmp/workload/" github.com/spiffe/spire/cmd/spire-agent )
+  image_archive "$tmp/pause.tar" registrar-bed/pause:1 /pause "$tmp/pause"
+  image_archive "$tmp/workload.tar" registrar-bed/workload:1 /svid-watch "$tmp/workload"
+  rm -rf "$tmp/pause" "$tmp/workload"
+  rm -rf "$BED_IMAGES"
+  mv "$tmp" "$BED_IMAGES"
+  log "built the node's images in $((SECONDS - start))s"
+fi
+
 echo "KUBE_BIN=$KUBE_BIN"
 echo "SPIRE_BIN=$SPIRE_BIN"
+echo "CONTAINERD_BIN=$CONTAINERD_BIN"
+echo "RUNC_BIN=$RUNC_BIN"
+echo "CNI_BIN=$CNI_BIN"
+echo "BED_IMAGES=$BED_IMAGES"
 if $peers_only; then exit 0; fi
 
 build_tool "$HELM_BIN" helm "$here/go/helm" "$HELM_VERSION" \

@@ -1,11 +1,16 @@
-//! `tests/testenv/up`: the tests' stack in the foreground, for humans. Prints how to reach it
-//! and stops everything on Ctrl-C (or when killed: the sentinel cleans up).
+//! `tests/testenv/up [--node]`: the tests' stack in the foreground, for humans (with `--node`,
+//! the node and the SPIRE agent DaemonSet too). Prints how to reach it and stops everything on
+//! Ctrl-C (or when killed: the sentinel cleans up).
 
 #[path = "../common/mod.rs"]
 mod common;
 
 fn main() {
-    let stack = common::Stack::start();
+    let stack = if std::env::args().any(|arg| arg == "--node") {
+        common::Stack::start_with_node()
+    } else {
+        common::Stack::start()
+    };
     let server_cli = common::paths::spire_bin().join("spire-server");
     let kube_bin = common::paths::kube_bin();
     println!("export KUBECONFIG={}", stack.kube.kubeconfig.display());
@@ -28,6 +33,11 @@ fn main() {
         stack.spire_agent.socket.display()
     );
     println!("# agent SPIFFE ID:         {}", stack.spire_agent.agent_id);
+    if let Some((node, agent)) = &stack.node {
+        println!("# node:                    {}", node.dir.display());
+        println!("# node agent Workload API: {}", agent.socket.display());
+        println!("# workload reports:        {}", agent.reports.display());
+    }
     println!("# logs:                    {}", stack.dir().display());
     println!(
         "# e.g. {} entry show -socketPath {}",

@@ -1,0 +1,404 @@
+//! A Pod holds its SVID (invariant 12): Deployments run on the bed's real node, SPIRE's agent
+//! runs there as a DaemonSet attested by k8s_psat, and each Pod's `svid-watch` reports what
+//! the Workload API gives it, second by second. Every assertion about identity is made from
+//! that report (the workload's side), next to SPIRE's and the apiserver's.
+#![cfg(feature = "e2e")]
+
+mod common;
+
+use common::k8s::{annotation, create_namespace_with, eventually};
+use common::node::apply;
+use common::node_agent::{PSAT_CLUSTER, pod_spec, workload_deployment};
+use common::registrar::Registrar;
+use common::reports::{self, Line};
+use common::stack::unique;
+use common::world::{Scenario, TD, flags, options, prepare, spiffe_id};
+use common::{Stack, paths::free_port};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use serde_json::{Value, json};
+use spiffe_registrar::names::SPIFFE_ID_ANNOTATION;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// How long a test waits for a Pod's first SVID: scheduling, the sandbox, the agent's sync.
+const SVID_WAIT: Duration = Duration::from_secs(90);
+/// Seconds a Pod must report holding nothing before "no identity" is believed: longer than
+/// the agent's sync (5 s), so an identity on its way would have arrived.
+const NO_IDENTITY_SECONDS: usize = 12;
+
+struct Bed {
+    stack: &'static Stack,
+    _registrar: Registrar,
+}
+
+/// The node stack and one registrar whose policies without parentID hang from the alias of
+/// the bed's k8s_psat cluster.
+fn bed() -> &'static Bed {
+    static BED: OnceLock<Bed> = OnceLock::new();
+    BED.get_or_init(|| {
+        tokio::task::block_in_place(|| {
+            let stack = Stack::shared_with_node();
+            let port = free_port();
+            prepare(&stack.kube, port);
+            let registrar = Registrar::start_on(
+                stack,
+                port,
+                options(
+                    "wl",
+                    "registrar",
+                    flags(
+                        &[],
+                        &[
+                            &format!("--node-alias-cluster={PSAT_CLUSTER}"),
+                            "--transition-grace=10s",
+                        ],
+                    ),
+                ),
+            );
+            stack.track(registrar.process.pgid());
+            Bed {
+                stack,
+                _registrar: registrar,
+            }
+        })
+    })
+}
+
+/// A policy of this scenario with no parentID (the node alias) and a DNS name.
+fn alias_spec(s: &Scenario) -> Value {
+    json!({
+        "trustDomain": TD,
+        "ttl": "1h",
+        "dnsNames": ["{serviceAccount}.{namespace}.svc"],
+        "namespaceSelector": { "matchLabels": { "e2e/test": s.tag } }
+    })
+}
+
+/// Applies a Deployment of the bed's workload.
+fn run_workload(stack: &Stack, ns: &str, name: &str, sa: &str, replicas: u32) {
+    let (node, agent) = stack.node();
+    let sockets = node.dir.join("agent-sockets");
+    apply(
+        &stack.kube,
+        &workload_deployment(ns, name, sa, replicas, &agent.reports, &sockets),
+    );
+}
+
+/// Names of the Running Pods of Deployment `app` in `ns`, once there are `count`.
+async fn running_pods(s: &Scenario, ns: &str, app: &str, count: usize) -> Vec<String> {
+    let pods: Api<Pod> = Api::namespaced(s.client.clone(), ns);
+    eventually(
+        &format!("{count} running Pods of {ns}/{app}"),
+        SVID_WAIT,
+        || async {
+            let list = pods
+                .list(&ListParams::default().labels(&format!("app={app}")))
+                .await
+                .ok()?;
+            let running: Vec<String> = list
+                .items
+                .iter()
+                .filter(|p| p.metadata.deletion_timestamp.is_none())
+                .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+                .filter_map(|p| p.metadata.name.clone())
+                .collect();
+            (running.len() == count).then_some(running)
+        },
+    )
+    .await
+}
+
+/// Waits until Pod `pod`'s report satisfies `done`; returns the report.
+async fn report_until(
+    stack: &Stack,
+    pod: &str,
+    what: &str,
+    done: impl Fn(&[Line]) -> bool,
+) -> Vec<Line> {
+    let reports_dir = stack.node().1.reports.clone();
+    eventually(&format!("{pod}: {what}"), SVID_WAIT, || {
+        let lines = reports::read(&reports_dir, pod);
+        let done = done(&lines);
+        async move { done.then_some(lines) }
+    })
+    .await
+}
+
+/// Waits until `pod` holds exactly `ids` (its last second's sample).
+async fn holding(stack: &Stack, pod: &str, ids: &[&str]) -> Vec<Line> {
+    let wanted: Vec<String> = ids.iter().map(ToString::to_string).collect();
+    report_until(stack, pod, &format!("holding {ids:?}"), |lines| {
+        reports::holding_now(lines) == wanted
+    })
+    .await
+}
+
+/// Waits until `pod` has reported `NO_IDENTITY_SECONDS` seconds, and asserts it never held an
+/// SVID and the agent said it has no identity.
+async fn never_identified(stack: &Stack, pod: &str) {
+    let lines = report_until(stack, pod, "reported for long enough", |lines| {
+        reports::seconds(lines).len() >= NO_IDENTITY_SECONDS
+    })
+    .await;
+    assert!(
+        reports::svid_sets(&lines).iter().all(|set| set.is_empty()),
+        "{pod} must get no SVID: {lines:?}"
+    );
+    assert!(reports::seconds(&lines).iter().all(|held| held.is_empty()));
+    assert!(
+        lines.iter().any(is_refusal),
+        "the agent must have refused {pod}: {lines:?}"
+    );
+}
+
+/// Waits until the agent has refused `pod` and `pod` then held nothing for
+/// `NO_IDENTITY_SECONDS` seconds; asserts nothing was issued after the first refusal. An SVID
+/// before it is the agent's sync lag (it learns of deleted entries every 5 s), not an identity
+/// SPIRE still grants.
+async fn identity_withdrawn(stack: &Stack, pod: &str) {
+    let after_refusal = |lines: &[Line]| -> Vec<Line> {
+        lines
+            .iter()
+            .skip_while(|line| !is_refusal(line))
+            .cloned()
+            .collect()
+    };
+    let lines = report_until(stack, pod, "refused, then long enough without", |lines| {
+        reports::seconds(&after_refusal(lines)).len() >= NO_IDENTITY_SECONDS
+    })
+    .await;
+    let after = after_refusal(&lines);
+    assert!(
+        reports::svid_sets(&after).iter().all(|set| set.is_empty())
+            && reports::seconds(&after).iter().all(|held| held.is_empty()),
+        "{pod} must get nothing once the agent refused it: {lines:?}"
+    );
+}
+
+fn is_refusal(line: &Line) -> bool {
+    matches!(line, Line::Error { error, .. }
+        if error.contains("PermissionDenied") || error.contains("no identity issued"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn each_pod_holds_the_svid_its_deployment_was_annotated_with() {
+    let bed = bed();
+    let stack = bed.stack;
+    let _logs = stack.logs_on_panic();
+    let s = Scenario::new(&stack.kube).await;
+    s.policy("p", alias_spec(&s)).await;
+    let ns = s.namespace(true).await;
+    run_workload(stack, &ns, "web", "api", 2);
+
+    let d = s.deployments(&ns).get("web").await.expect("the Deployment");
+    let stamped = annotation(&d, SPIFFE_ID_ANNOTATION)
+        .expect("the webhook stamps the identity at admission")
+        .to_string();
+    assert_eq!(stamped, spiffe_id(&ns, "api"));
+    for pod in running_pods(&s, &ns, "web", 2).await {
+        let lines = holding(stack, &pod, &[&stamped]).await;
+        let svids = reports::svid_sets(&lines);
+        let svid = &svids.last().expect("an SVID set")[0];
+        assert_eq!(svid.spiffe_id, stamped);
+        assert_eq!(
+            svid.dns_names.as_deref(),
+            Some(&[format!("api.{ns}.svc")][..]),
+            "the policy's DNS names"
+        );
+        let jwt = report_until(stack, &pod, "a JWT-SVID", |lines| {
+            lines.iter().any(|l| matches!(l, Line::Jwt { .. }))
+        })
+        .await;
+        let (jwt_id, audience) = jwt
+            .iter()
+            .find_map(|l| match l {
+                Line::Jwt {
+                    spiffe_id,
+                    audience,
+                    ..
+                } => Some((spiffe_id.clone(), audience.clone())),
+                _ => None,
+            })
+            .expect("found above");
+        assert_eq!(jwt_id, stamped);
+        assert_eq!(audience, ["registrar-bed"]);
+    }
+
+    // From SPIRE's side: the entry hangs from our node alias, which the agent's k8s_psat
+    // attestation matches.
+    let alias_id = format!("spiffe://{TD}/spiffe-registrar/k8s-psat/{PSAT_CLUSTER}");
+    let entries = stack.spire_server.entries_for(&stamped);
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(
+        entries[0]["parent_id"]["path"],
+        format!("/spiffe-registrar/k8s-psat/{PSAT_CLUSTER}")
+    );
+    let alias = stack.spire_server.entries_for(&alias_id);
+    assert_eq!(alias.len(), 1, "{alias:?}");
+    assert_eq!(alias[0]["selectors"][0]["type"], "k8s_psat");
+    assert_eq!(
+        alias[0]["selectors"][0]["value"],
+        format!("cluster:{PSAT_CLUSTER}")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_outside_every_policy_gets_no_identity() {
+    let bed = bed();
+    let stack = bed.stack;
+    let _logs = stack.logs_on_panic();
+    let s = Scenario::new(&stack.kube).await;
+    s.policy("p", alias_spec(&s)).await;
+    // Not opted in, though its labels match the policy.
+    let off = unique(&s.tag);
+    create_namespace_with(&s.client, &off, false, &[("e2e/test", &s.tag)]).await;
+    run_workload(stack, &off, "web", "api", 1);
+    // Opted in, but no policy selects it.
+    let uncovered = unique(&s.tag);
+    create_namespace_with(&s.client, &uncovered, true, &[("e2e/test", "nobody")]).await;
+    run_workload(stack, &uncovered, "web", "api", 1);
+
+    for ns in [&off, &uncovered] {
+        let pod = running_pods(&s, ns, "web", 1).await.remove(0);
+        never_identified(stack, &pod).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_running_pod_keeps_an_identity_through_ttl_and_template_edits() {
+    let bed = bed();
+    let stack = bed.stack;
+    let _logs = stack.logs_on_panic();
+    let s = Scenario::new(&stack.kube).await;
+    let policy = s.policy("p", alias_spec(&s)).await;
+    let ns = s.namespace(true).await;
+    run_workload(stack, &ns, "web", "api", 1);
+    let pod = running_pods(&s, &ns, "web", 1).await.remove(0);
+    let first = spiffe_id(&ns, "api");
+    holding(stack, &pod, &[&first]).await;
+
+    // A TTL edit updates the entry in place: the next SVID carries the new lifetime.
+    let before = reports::svid_sets(&reports::read(&stack.node().1.reports, &pod)).len();
+    s.patch_policy(&policy, json!({ "spec": { "ttl": "2h" } }))
+        .await;
+    report_until(stack, &pod, "an SVID with the new TTL", |lines| {
+        let sets = reports::svid_sets(lines);
+        sets.len() > before
+            && sets.last().is_some_and(|set| {
+                set.iter().any(|svid| {
+                    svid.spiffe_id == first
+                        && svid.not_after_ms - at_ms_of_last_set(lines) > 90 * 60 * 1000
+                })
+            })
+    })
+    .await;
+
+    // A template edit is a new identity: made before the old one is broken.
+    let second = format!("spiffe://{TD}/v2/ns/{ns}/sa/api");
+    s.patch_policy(
+        &policy,
+        json!({ "spec": { "spiffeIDTemplate": "spiffe://{trustDomain}/v2/ns/{namespace}/sa/{serviceAccount}" } }),
+    )
+    .await;
+    let lines = holding(stack, &pod, &[&second]).await;
+    assert_eq!(
+        reports::seconds_without_identity_after_first(&lines),
+        0,
+        "the workload was never without an SVID: {lines:?}"
+    );
+    let d = s.deployments(&ns).get("web").await.expect("the Deployment");
+    assert_eq!(annotation(&d, SPIFFE_ID_ANNOTATION), Some(second.as_str()));
+}
+
+/// When the last SVID set in `lines` arrived.
+fn at_ms_of_last_set(lines: &[Line]) -> i64 {
+    lines
+        .iter()
+        .rev()
+        .find_map(|line| match line {
+            Line::Svids { at_ms, .. } => Some(*at_ms),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_service_account_change_moves_new_pods_to_the_new_identity_without_a_gap() {
+    let bed = bed();
+    let stack = bed.stack;
+    let _logs = stack.logs_on_panic();
+    let s = Scenario::new(&stack.kube).await;
+    s.policy("p", alias_spec(&s)).await;
+    let ns = s.namespace(true).await;
+    run_workload(stack, &ns, "web", "api", 1);
+    let old_pod = running_pods(&s, &ns, "web", 1).await.remove(0);
+    holding(stack, &old_pod, &[&spiffe_id(&ns, "api")]).await;
+
+    s.deployments(&ns)
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({ "spec": { "template": { "spec": { "serviceAccountName": "api-v2" } } } }),
+            ),
+        )
+        .await
+        .expect("service account change");
+    let new_pod = eventually("the rolled-out Pod", SVID_WAIT, || async {
+        let pods = running_pods(&s, &ns, "web", 1).await;
+        (pods[0] != old_pod).then(|| pods[0].clone())
+    })
+    .await;
+    let lines = holding(stack, &new_pod, &[&spiffe_id(&ns, "api-v2")]).await;
+    assert_eq!(reports::seconds_without_identity_after_first(&lines), 0);
+    let old = reports::read(&stack.node().1.reports, &old_pod);
+    assert_eq!(
+        reports::seconds_without_identity_after_first(&old),
+        0,
+        "the old Pod held its identity until it stopped: {old:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_last_deployment_of_a_service_account_takes_its_identity_with_it() {
+    let bed = bed();
+    let stack = bed.stack;
+    let _logs = stack.logs_on_panic();
+    let s = Scenario::new(&stack.kube).await;
+    s.policy("p", alias_spec(&s)).await;
+    let ns = s.namespace(true).await;
+    let id = spiffe_id(&ns, "shared");
+    run_workload(stack, &ns, "one", "shared", 1);
+    run_workload(stack, &ns, "two", "shared", 1);
+    let survivor = running_pods(&s, &ns, "two", 1).await.remove(0);
+    holding(stack, &survivor, &[&id]).await;
+
+    s.delete_deployment(&ns, "one").await;
+    // The entry outlives the first Deployment: the other still needs it.
+    let seen = reports::seconds(&reports::read(&stack.node().1.reports, &survivor)).len();
+    let lines = report_until(stack, &survivor, "five more seconds", |lines| {
+        reports::seconds(lines).len() >= seen + 5
+    })
+    .await;
+    assert_eq!(reports::seconds_without_identity_after_first(&lines), 0);
+    assert_eq!(reports::holding_now(&lines), [id.clone()]);
+    assert_eq!(stack.spire_server.entries_for(&id).len(), 1);
+
+    s.delete_deployment(&ns, "two").await;
+    stack.spire_server.wait_none_for(&id).await;
+    // A new Pod of that service account finds no identity.
+    let (node, agent) = stack.node();
+    let bare = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: late\n  namespace: {ns}\nspec:\n{}",
+        pod_spec("shared", &agent.reports, &node.dir.join("agent-sockets"))
+            .lines()
+            .map(|line| format!("  {line}\n"))
+            .collect::<String>()
+    );
+    apply(&stack.kube, &bare);
+    identity_withdrawn(stack, "late").await;
+    let pods: Api<Pod> = Api::namespaced(s.client.clone(), &ns);
+    let _ = pods.delete("late", &DeleteParams::default()).await;
+}
