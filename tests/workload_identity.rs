@@ -12,14 +12,14 @@ use common::node_agent::{PSAT_CLUSTER, pod_spec, workload_deployment};
 use common::registrar::Registrar;
 use common::reports::{self, Line};
 use common::stack::unique;
-use common::world::{Scenario, TD, flags, options, prepare, spiffe_id};
+use common::world::{Scenario, TD, flags, lease_holder, options, prepare, spiffe_id};
 use common::{Stack, paths::free_port};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
 use spiffe_registrar::names::SPIFFE_ID_ANNOTATION;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 /// How long a test waits for a Pod's first SVID: scheduling, the sandbox, the agent's sync.
@@ -30,37 +30,62 @@ const NO_IDENTITY_SECONDS: usize = 12;
 
 struct Bed {
     stack: &'static Stack,
-    _registrar: Registrar,
+    /// Two replicas, by name: one leads, the other waits (a failover test kills the leader
+    /// and starts it again).
+    registrars: Mutex<Vec<(String, Registrar)>>,
 }
 
-/// The node stack and one registrar whose policies without parentID hang from the alias of
-/// the bed's k8s_psat cluster.
+/// The flags of the bed's registrars: policies without parentID hang from the alias of the
+/// bed's k8s_psat cluster.
+fn replica(stack: &Stack, webhook_port: u16, name: &str) -> Registrar {
+    let registrar = Registrar::start_on(
+        stack,
+        webhook_port,
+        options(
+            "wl",
+            name,
+            flags(
+                &[],
+                &[
+                    &format!("--node-alias-cluster={PSAT_CLUSTER}"),
+                    "--transition-grace=10s",
+                ],
+            ),
+        ),
+    );
+    stack.track(registrar.process.pgid());
+    registrar
+}
+
+/// The bed's first replica, which leads until the failover test kills it.
+const LEADER: &str = "registrar-leader";
+
+/// The node stack and two registrar replicas.
 fn bed() -> &'static Bed {
     static BED: OnceLock<Bed> = OnceLock::new();
     BED.get_or_init(|| {
         tokio::task::block_in_place(|| {
             let stack = Stack::shared_with_node();
-            let port = free_port();
-            prepare(&stack.kube, port);
-            let registrar = Registrar::start_on(
-                stack,
-                port,
-                options(
-                    "wl",
-                    "registrar",
-                    flags(
-                        &[],
-                        &[
-                            &format!("--node-alias-cluster={PSAT_CLUSTER}"),
-                            "--transition-grace=10s",
-                        ],
-                    ),
-                ),
-            );
-            stack.track(registrar.process.pgid());
+            let webhook_port = free_port();
+            prepare(&stack.kube, webhook_port);
+            // The leader is started first and serves no webhook the apiserver calls, so that
+            // killing it (the failover test) costs the other tests' admissions nothing.
+            let leader = replica(stack, free_port(), LEADER);
+            let kubeconfig = stack.kube.kubeconfig.clone();
+            Stack::block_on_fresh(async move {
+                let client = common::kube_plane::client_for(&kubeconfig).await;
+                eventually("the first replica to lead", SVID_WAIT, || async {
+                    lease_holder(&client).await.filter(|h| h == LEADER)
+                })
+                .await;
+            });
+            let follower = replica(stack, webhook_port, "registrar-webhook");
             Bed {
                 stack,
-                _registrar: registrar,
+                registrars: Mutex::new(vec![
+                    (LEADER.into(), leader),
+                    ("registrar-webhook".into(), follower),
+                ]),
             }
         })
     })
@@ -192,10 +217,12 @@ async fn each_pod_holds_the_svid_its_deployment_was_annotated_with() {
     let ns = s.namespace(true).await;
     run_workload(stack, &ns, "web", "api", 2);
 
-    let d = s.deployments(&ns).get("web").await.expect("the Deployment");
-    let stamped = annotation(&d, SPIFFE_ID_ANNOTATION)
-        .expect("the webhook stamps the identity at admission")
-        .to_string();
+    // Stamped at admission (or backfilled, while a failover test restarts the webhook).
+    let stamped = eventually("the spiffe-id annotation", SVID_WAIT, || async {
+        let d = s.deployments(&ns).get("web").await.ok()?;
+        annotation(&d, SPIFFE_ID_ANNOTATION).map(str::to_string)
+    })
+    .await;
     assert_eq!(stamped, spiffe_id(&ns, "api"));
     for pod in running_pods(&s, &ns, "web", 2).await {
         let lines = holding(stack, &pod, &[&stamped]).await;
@@ -401,4 +428,55 @@ async fn the_last_deployment_of_a_service_account_takes_its_identity_with_it() {
     identity_withdrawn(stack, "late").await;
     let pods: Api<Pod> = Api::namespaced(s.client.clone(), &ns);
     let _ = pods.delete("late", &DeleteParams::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leader_failover_costs_a_running_pod_nothing_and_the_new_leader_registers() {
+    let bed = bed();
+    let stack = bed.stack;
+    let _logs = stack.logs_on_panic();
+    let s = Scenario::new(&stack.kube).await;
+    s.policy("p", alias_spec(&s)).await;
+    let ns = s.namespace(true).await;
+    run_workload(stack, &ns, "before", "api", 1);
+    let pod = running_pods(&s, &ns, "before", 1).await.remove(0);
+    let id = spiffe_id(&ns, "api");
+    holding(stack, &pod, &[&id]).await;
+
+    let leader = eventually("a leader", SVID_WAIT, || lease_holder(&s.client)).await;
+    assert_eq!(leader, LEADER, "the replica without the webhook leads");
+    let (name, mut killed) = {
+        let mut registrars = bed.registrars.lock().expect("not poisoned");
+        let index = registrars
+            .iter()
+            .position(|(name, _)| *name == leader)
+            .expect("the leader is one of the bed's replicas");
+        registrars.remove(index)
+    };
+    killed.process.kill();
+    eventually("the other replica to lead", SVID_WAIT, || async {
+        lease_holder(&s.client)
+            .await
+            .filter(|holder| *holder != leader)
+    })
+    .await;
+
+    // The new leader registers what arrives after the failover.
+    run_workload(stack, &ns, "after", "api-v2", 1);
+    let late = running_pods(&s, &ns, "after", 1).await.remove(0);
+    holding(stack, &late, &[&spiffe_id(&ns, "api-v2")]).await;
+    let lines = reports::read(&stack.node().1.reports, &pod);
+    assert_eq!(
+        reports::seconds_without_identity_after_first(&lines),
+        0,
+        "the running Pod never noticed the failover: {lines:?}"
+    );
+    assert_eq!(reports::holding_now(&lines), [id]);
+
+    // Back to two replicas.
+    let restarted = tokio::task::block_in_place(|| replica(stack, free_port(), &name));
+    bed.registrars
+        .lock()
+        .expect("not poisoned")
+        .push((name, restarted));
 }

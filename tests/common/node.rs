@@ -146,7 +146,11 @@ if [ -S "$node/containerd/containerd.sock" ]; then
   for id in $(ctr tasks ls -q 2>/dev/null); do ctr tasks kill -s SIGKILL "$id" >/dev/null 2>&1; done
   for _ in 1 2 3 4 5 6 7 8 9 10; do [ -z "$(ctr tasks ls -q 2>/dev/null)" ] && break; sleep 0.2; done
   for id in $(ctr tasks ls -q 2>/dev/null); do ctr tasks delete -f "$id" >/dev/null 2>&1; done
-  for id in $(ctr containers ls -q 2>/dev/null); do ctr containers delete "$id" >/dev/null 2>&1; done
+  for id in $(ctr containers ls -q 2>/dev/null); do
+    # The CNI plugins cache each sandbox's result under /var/lib/cni/results, by its ID.
+    rm -f /var/lib/cni/results/*-"$id"-*
+    ctr containers delete "$id" >/dev/null 2>&1
+  done
 fi
 # Processes left in the Pods' cgroups, and shims (they leave containerd's group): by cgroup
 # path and by executable path with our containerd's socket in their arguments.
@@ -171,7 +175,8 @@ done
 for hierarchy in /sys/fs/cgroup/*/; do
   [ -d "$hierarchy/kubepods" ] && find "$hierarchy/kubepods" -depth -type d -exec rmdir {{}} \; 2>/dev/null
 done
-rmdir /var/lib/kubelet/device-plugins /var/lib/kubelet 2>/dev/null
+rm -f /var/lib/kubelet/device-plugins/kubelet.sock
+rmdir /var/lib/kubelet/device-plugins /var/lib/kubelet /var/lib/cni/results /var/lib/cni 2>/dev/null
 rmdir /run/containerd/runc/k8s.io /run/containerd/runc /run/containerd/s /run/containerd 2>/dev/null
 exit 0
 "#,
