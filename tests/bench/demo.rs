@@ -1,7 +1,9 @@
-//! `tests/demo`: the whole product on a local control plane, in front of you.
-//! Starts etcd, kube-apiserver, spire-server and spire-agent, runs the registrar (webhook +
-//! controller), applies a policy and a Deployment with kubectl, and shows what a user sees.
-//! `--keep` leaves everything running until Ctrl-C.
+//! `tests/demo`: the whole product on a local cluster, in front of you.
+//! Starts etcd, kube-apiserver, kube-controller-manager, spire-server and a node (kubelet,
+//! containerd, kube-scheduler) running SPIRE's agent as a DaemonSet attested by k8s_psat; runs
+//! the registrar (webhook + controller), applies the example policy and a Deployment with
+//! kubectl, shows what a user sees, and ends with the SVID the Deployment's Pod fetched from
+//! the Workload API. `--keep` leaves everything running until Ctrl-C.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -10,8 +12,12 @@ use common::Stack;
 use common::k8s::{create_namespace, create_webhook_configuration, eventually};
 use common::process::run;
 use common::registrar::{Options, Registrar};
+use common::node_agent::{PSAT_CLUSTER, workload_deployment};
+use common::reports;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
+use kube::api::ListParams;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -30,7 +36,7 @@ async fn main() {
     let keep = std::env::args().any(|a| a == "--keep");
     let started = Instant::now();
     let stack = std::sync::Arc::new(
-        tokio::task::spawn_blocking(Stack::start)
+        tokio::task::spawn_blocking(Stack::start_with_node)
             .await
             .expect("stack"),
     );
@@ -70,7 +76,8 @@ async fn main() {
                     webhook_configuration: "spiffe-registrar",
                     cluster_name: "demo",
                     name: "registrar",
-                    extra_args: vec![],
+                    // The name SPIRE's k8s_psat attestor knows the bed's cluster by.
+                    extra_args: vec![format!("--node-alias-cluster={PSAT_CLUSTER}")],
                     extra_env: vec![("RUST_LOG".into(), "info".into())],
                 },
             )
@@ -84,26 +91,36 @@ async fn main() {
         registrar.admin_port
     );
 
-    // The policy's parent is the demo agent, so the agent is allowed to hand out the SVIDs.
-    let policy = format!(
-        "apiVersion: registrar.spiffe.io/v1alpha1\nkind: SpiffeRegistration\nmetadata:\n  name: default\nspec:\n  trustDomain: example.org\n  parentID: {}\n  ttl: 1h\n",
-        stack.spire_agent.agent_id
-    );
-    let policy_file = stack.dir().join("policy.yaml");
-    std::fs::write(&policy_file, policy).expect("policy file");
     show(
-        "kubectl apply -f policy.yaml   # a SpiffeRegistration",
-        kubectl().args(["apply", "-f"]).arg(&policy_file),
-    );
-    // The apiserver learns about new webhook configurations asynchronously.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    show(
-        "kubectl apply -f manifests/examples/demo-workload.yaml",
+        "kubectl apply -f manifests/examples/spiffe-registration.yaml   # no parentID: the node alias",
         kubectl().args([
             "apply",
             "-f",
-            &format!("{manifests}/examples/demo-workload.yaml"),
+            &format!("{manifests}/examples/spiffe-registration.yaml"),
         ]),
+    );
+    // The apiserver learns about new webhook configurations asynchronously.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (node, agent) = stack.node();
+    let workload = format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: demo\n  labels:\n    spiffe.io/registrar: enabled\n---\n{}",
+        workload_deployment(
+            "demo",
+            "web",
+            "api",
+            1,
+            &agent.reports,
+            &node.dir.join("agent-sockets")
+        )
+    );
+    let workload_file = stack.dir().join("workload.yaml");
+    std::fs::write(&workload_file, workload).expect("workload file");
+    show(
+        &format!(
+            "kubectl apply -f {}   # namespace demo (opted in), Deployment web as service account api",
+            workload_file.display()
+        ),
+        kubectl().args(["apply", "-f"]).arg(&workload_file),
     );
 
     let api: Api<Deployment> = Api::namespaced(client.clone(), "demo");
@@ -136,9 +153,51 @@ async fn main() {
             .cli(&["entry", "show"])
             .args(["-entryID", &entry_id]),
     );
+    show(
+        "kubectl get pods -n demo -o wide",
+        kubectl().args(["get", "pods", "-n", "demo", "-o", "wide"]),
+    );
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "demo");
+    let pod = eventually("demo/web's Pod", Duration::from_secs(90), || async {
+        pods.list(&ListParams::default().labels("app=web"))
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .find_map(|p| p.metadata.name)
+    })
+    .await;
+    let svid = eventually(
+        "the Pod to hold its SVID",
+        Duration::from_secs(90),
+        || async {
+            let lines = reports::read(&agent.reports, &pod);
+            reports::svid_sets(&lines)
+                .into_iter()
+                .rev()
+                .find_map(|set| set.first().cloned())
+        },
+    )
+    .await;
+    let held_at = started.elapsed();
+    let report = agent.reports.join(format!("{pod}.jsonl"));
     println!(
-        "\n# demo/web registered {:.1} s after start; {:.1} s in all",
+        "\n$ grep '\"svids\"' {}   # what the Pod fetched from the Workload API",
+        report.display()
+    );
+    println!(
+        "SPIFFE ID {}  DNS names {:?}  serial {}  expires {}",
+        svid.spiffe_id,
+        svid.dns_names.unwrap_or_default(),
+        svid.serial,
+        k8s_openapi::jiff::Timestamp::from_millisecond(svid.not_after_ms)
+            .map(|t| t.to_string())
+            .unwrap_or_default()
+    );
+    println!(
+        "\n# demo/web registered {:.1} s after start; its Pod held its SVID at {:.1} s; {:.1} s in all",
         registered_at.as_secs_f64(),
+        held_at.as_secs_f64(),
         started.elapsed().as_secs_f64()
     );
     if keep {
