@@ -410,7 +410,7 @@ async fn the_last_deployment_of_a_service_account_takes_its_identity_with_it() {
     })
     .await;
     assert_eq!(reports::seconds_without_identity_after_first(&lines), 0);
-    assert_eq!(reports::holding_now(&lines), [id.clone()]);
+    assert_eq!(reports::holding_now(&lines), std::slice::from_ref(&id));
     assert_eq!(stack.spire_server.entries_for(&id).len(), 1);
 
     s.delete_deployment(&ns, "two").await;
@@ -479,4 +479,34 @@ async fn a_leader_failover_costs_a_running_pod_nothing_and_the_new_leader_regist
         .lock()
         .expect("not poisoned")
         .push((name, restarted));
+}
+
+/// The apply-to-SVID benchmark (`--example apply-to-svid`) at a few Deployments, so it cannot
+/// rot: every Deployment's Pod holds its SVID, after its entry exists and its workload runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_apply_to_svid_benchmark_measures_every_deployment() {
+    let bed = bed();
+    let stack = bed.stack;
+    let _logs = stack.logs_on_panic();
+    let s = Scenario::new(&stack.kube).await;
+    s.policy("p", alias_spec(&s)).await;
+    let ns = s.namespace(true).await;
+    let timings = common::apply_to_svid::measure(
+        stack,
+        &ns,
+        "spiffe-registrar/wl",
+        3,
+        Duration::from_millis(200),
+    )
+    .await;
+    assert_eq!(timings.len(), 3);
+    for timing in &timings {
+        assert!(
+            timing.svid_ms >= timing.entry_ms && timing.svid_ms >= timing.workload_started_ms,
+            "an SVID cannot precede its entry or its workload: {timing:?}"
+        );
+        assert!(timing.agent_ms() >= 0);
+    }
+    let summary = common::apply_to_svid::summary(&timings);
+    assert_eq!(summary["deployments"], 3);
 }

@@ -10,9 +10,9 @@ mod common;
 
 use common::Stack;
 use common::k8s::{create_namespace, create_webhook_configuration, eventually};
+use common::node_agent::{PSAT_CLUSTER, workload_deployment};
 use common::process::run;
 use common::registrar::{Options, Registrar};
-use common::node_agent::{PSAT_CLUSTER, workload_deployment};
 use common::reports;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;

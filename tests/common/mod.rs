@@ -11,6 +11,7 @@
 //! also watched by a sentinel that kills it when the test binary exits for any reason.
 #![allow(dead_code, unused_imports)]
 
+pub mod apply_to_svid;
 pub mod certs;
 pub mod k8s;
 pub mod kube_plane;
