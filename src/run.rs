@@ -345,7 +345,13 @@ pub async fn plan(settings: Settings) -> Result<String, PlanError> {
                     .collect::<Vec<_>>()
                     .join(", ")
             })
-            .unwrap_or_default();
+            .unwrap_or_else(|| {
+                if crate::spire::node_alias::is_node_alias(entry) {
+                    "the node alias: every agent of the cluster".to_string()
+                } else {
+                    String::new()
+                }
+            });
         let _ = writeln!(
             out,
             "create {} {} (for {needed_by})",

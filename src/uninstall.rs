@@ -270,7 +270,12 @@ async fn delete_our_entries(
     let outcome = match entries {
         Ok(entries) => {
             let total = entries.len();
-            let results = api.delete(entries).await;
+            // Node aliases last: they outlive every entry that hangs from them.
+            let (aliases, children): (Vec<_>, Vec<_>) = entries
+                .into_iter()
+                .partition(crate::spire::node_alias::is_node_alias);
+            let mut results = api.delete(children).await;
+            results.extend(api.delete(aliases).await);
             let failures: Vec<String> = results
                 .iter()
                 .filter_map(|r| r.as_ref().err().map(|e| format!("{e:?}")))

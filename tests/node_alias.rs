@@ -5,8 +5,9 @@
 
 mod common;
 
+use common::registrar::uninstall;
 use common::sampler::spire_client;
-use common::world::{Scenario, TD, launch, options, own_plane};
+use common::world::{HOME, Scenario, TD, WEBHOOK_CONFIG, launch, options, own_plane};
 use serde_json::json;
 use spiffe_registrar::spire::Entry;
 use spiffe_registrar::spire::convert::entry_from_proto;
@@ -176,5 +177,23 @@ async fn the_alias_is_kept_repaired_and_moved_make_before_break() {
     })
     .await
     .expect("nothing of ours is left in SPIRE");
-    drop(registrar);
+
+    // Registered again, then uninstalled with its entries: the alias goes too (last).
+    s.registered(&ns, "again", "api").await;
+    sample_until(&socket, &sa_id, |sample| sample.iter().any(is_node_alias)).await;
+    registrar.process.terminate(Duration::from_secs(10));
+    let args = [
+        format!("--namespace={HOME}"),
+        format!("--webhook-configuration={WEBHOOK_CONFIG}"),
+        "--delete-entries".to_string(),
+        format!("--cluster-name={CLUSTER}"),
+        format!("--spire-socket={}", socket.display()),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, stdout, stderr) = uninstall(&stack, &args);
+    assert!(ok, "uninstall failed:\n{stdout}\n{stderr}");
+    assert!(
+        ours(&socket).await.is_empty(),
+        "uninstall left entries of ours"
+    );
 }

@@ -172,7 +172,7 @@ rm -rf '/var/lib/cni/networks/{NETWORK}' /var/lib/cni/results/{NETWORK}-*
 for link in /var/log/containers/*.log; do
   case "$(readlink "$link" 2>/dev/null)" in "$node"/*) rm -f "$link" ;; esac
 done
-for hierarchy in /sys/fs/cgroup/*/; do
+for hierarchy in /sys/fs/cgroup /sys/fs/cgroup/*/; do
   [ -d "$hierarchy/kubepods" ] && find "$hierarchy/kubepods" -depth -type d -exec rmdir {{}} \; 2>/dev/null
 done
 rm -f /var/lib/kubelet/device-plugins/kubelet.sock
