@@ -101,6 +101,21 @@ fn alias_spec(s: &Scenario) -> Value {
     })
 }
 
+/// A test's world on the bed: its scenario, its policy (no parentID: the node alias) and an
+/// opted-in namespace the policy selects.
+async fn world(stack: &Stack) -> (Scenario, String, String) {
+    let s = Scenario::new(&stack.kube).await;
+    let policy = s.policy("p", alias_spec(&s)).await;
+    let ns = s.namespace(true).await;
+    (s, policy, ns)
+}
+
+/// Runs Deployment `ns/name` (one replica, as `sa`) and returns its Running Pod.
+async fn one_pod(stack: &Stack, s: &Scenario, ns: &str, name: &str, sa: &str) -> String {
+    run_workload(stack, ns, name, sa, 1);
+    running_pods(s, ns, name, 1).await.remove(0)
+}
+
 /// Applies a Deployment of the bed's workload.
 fn run_workload(stack: &Stack, ns: &str, name: &str, sa: &str, replicas: u32) {
     let (node, agent) = stack.node();
@@ -209,12 +224,9 @@ fn is_refusal(line: &Line) -> bool {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn each_pod_holds_the_svid_its_deployment_was_annotated_with() {
-    let bed = bed();
-    let stack = bed.stack;
+    let stack = bed().stack;
     let _logs = stack.logs_on_panic();
-    let s = Scenario::new(&stack.kube).await;
-    s.policy("p", alias_spec(&s)).await;
-    let ns = s.namespace(true).await;
+    let (s, _, ns) = world(stack).await;
     run_workload(stack, &ns, "web", "api", 2);
 
     // Stamped at admission (or backfilled, while a failover test restarts the webhook).
@@ -273,11 +285,9 @@ async fn each_pod_holds_the_svid_its_deployment_was_annotated_with() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pod_outside_every_policy_gets_no_identity() {
-    let bed = bed();
-    let stack = bed.stack;
+    let stack = bed().stack;
     let _logs = stack.logs_on_panic();
-    let s = Scenario::new(&stack.kube).await;
-    s.policy("p", alias_spec(&s)).await;
+    let (s, _, _) = world(stack).await;
     // Not opted in, though its labels match the policy.
     let off = unique(&s.tag);
     create_namespace_with(&s.client, &off, false, &[("e2e/test", &s.tag)]).await;
@@ -295,14 +305,10 @@ async fn a_pod_outside_every_policy_gets_no_identity() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_running_pod_keeps_an_identity_through_ttl_and_template_edits() {
-    let bed = bed();
-    let stack = bed.stack;
+    let stack = bed().stack;
     let _logs = stack.logs_on_panic();
-    let s = Scenario::new(&stack.kube).await;
-    let policy = s.policy("p", alias_spec(&s)).await;
-    let ns = s.namespace(true).await;
-    run_workload(stack, &ns, "web", "api", 1);
-    let pod = running_pods(&s, &ns, "web", 1).await.remove(0);
+    let (s, policy, ns) = world(stack).await;
+    let pod = one_pod(stack, &s, &ns, "web", "api").await;
     let first = spiffe_id(&ns, "api");
     holding(stack, &pod, &[&first]).await;
 
@@ -353,14 +359,10 @@ fn at_ms_of_last_set(lines: &[Line]) -> i64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_service_account_change_moves_new_pods_to_the_new_identity_without_a_gap() {
-    let bed = bed();
-    let stack = bed.stack;
+    let stack = bed().stack;
     let _logs = stack.logs_on_panic();
-    let s = Scenario::new(&stack.kube).await;
-    s.policy("p", alias_spec(&s)).await;
-    let ns = s.namespace(true).await;
-    run_workload(stack, &ns, "web", "api", 1);
-    let old_pod = running_pods(&s, &ns, "web", 1).await.remove(0);
+    let (s, _, ns) = world(stack).await;
+    let old_pod = one_pod(stack, &s, &ns, "web", "api").await;
     holding(stack, &old_pod, &[&spiffe_id(&ns, "api")]).await;
 
     s.deployments(&ns)
@@ -390,12 +392,9 @@ async fn a_service_account_change_moves_new_pods_to_the_new_identity_without_a_g
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_last_deployment_of_a_service_account_takes_its_identity_with_it() {
-    let bed = bed();
-    let stack = bed.stack;
+    let stack = bed().stack;
     let _logs = stack.logs_on_panic();
-    let s = Scenario::new(&stack.kube).await;
-    s.policy("p", alias_spec(&s)).await;
-    let ns = s.namespace(true).await;
+    let (s, _, ns) = world(stack).await;
     let id = spiffe_id(&ns, "shared");
     run_workload(stack, &ns, "one", "shared", 1);
     run_workload(stack, &ns, "two", "shared", 1);
@@ -435,11 +434,8 @@ async fn a_leader_failover_costs_a_running_pod_nothing_and_the_new_leader_regist
     let bed = bed();
     let stack = bed.stack;
     let _logs = stack.logs_on_panic();
-    let s = Scenario::new(&stack.kube).await;
-    s.policy("p", alias_spec(&s)).await;
-    let ns = s.namespace(true).await;
-    run_workload(stack, &ns, "before", "api", 1);
-    let pod = running_pods(&s, &ns, "before", 1).await.remove(0);
+    let (s, _, ns) = world(stack).await;
+    let pod = one_pod(stack, &s, &ns, "before", "api").await;
     let id = spiffe_id(&ns, "api");
     holding(stack, &pod, &[&id]).await;
 
@@ -462,8 +458,7 @@ async fn a_leader_failover_costs_a_running_pod_nothing_and_the_new_leader_regist
     .await;
 
     // The new leader registers what arrives after the failover.
-    run_workload(stack, &ns, "after", "api-v2", 1);
-    let late = running_pods(&s, &ns, "after", 1).await.remove(0);
+    let late = one_pod(stack, &s, &ns, "after", "api-v2").await;
     holding(stack, &late, &[&spiffe_id(&ns, "api-v2")]).await;
     let lines = reports::read(&stack.node().1.reports, &pod);
     assert_eq!(
@@ -485,12 +480,9 @@ async fn a_leader_failover_costs_a_running_pod_nothing_and_the_new_leader_regist
 /// rot: every Deployment's Pod holds its SVID, after its entry exists and its workload runs.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_apply_to_svid_benchmark_measures_every_deployment() {
-    let bed = bed();
-    let stack = bed.stack;
+    let stack = bed().stack;
     let _logs = stack.logs_on_panic();
-    let s = Scenario::new(&stack.kube).await;
-    s.policy("p", alias_spec(&s)).await;
-    let ns = s.namespace(true).await;
+    let (_, _, ns) = world(stack).await;
     let timings = common::apply_to_svid::measure(
         stack,
         &ns,

@@ -8,18 +8,12 @@
 mod common;
 
 use common::apply_to_svid::{measure, summary};
+use common::args::flag;
 use common::k8s::create_namespace_with;
 use common::node_agent::PSAT_CLUSTER;
 use common::world::{TD, options, prepare};
 use common::{Stack, paths::free_port, registrar::Registrar};
 use std::time::{Duration, Instant};
-
-fn flag(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-}
 
 #[tokio::main]
 async fn main() {

@@ -11,15 +11,9 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+use common::args::flag;
 use common::scale::Datastore;
 use std::time::Duration;
-
-fn flag(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-}
 
 #[tokio::main]
 async fn main() {

@@ -12,6 +12,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod apply_to_svid;
+pub mod args;
 pub mod certs;
 pub mod k8s;
 pub mod kube_plane;

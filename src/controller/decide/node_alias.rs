@@ -18,44 +18,57 @@ use std::time::{Duration, Instant};
 /// How soon to look again at an alias whose last children this plan deletes.
 const AFTER_CHILDREN: Duration = Duration::from_secs(1);
 
-/// Adds the node-alias writes to `plan` (after the workload entries are decided).
+/// Adds the node-alias writes to `plan` (after the workload entries are decided): the wanted
+/// aliases kept or created first, then, in a full sync, the others let go once bare.
 pub(super) fn plan_node_aliases(input: &Input, memory: &Memory, plan: &mut SpirePlan) {
-    let Input {
-        ownership,
-        desired,
-        observed,
-        now,
-        ..
-    } = input;
-    let wanted = wanted_aliases(input);
-    let ours: Vec<&Entry> = observed
+    let ours: Vec<&Entry> = input
+        .observed
         .values()
         .map(|e| &**e)
         .filter(|e| is_node_alias(e))
         .collect();
-    let mut kept: BTreeSet<&str> = BTreeSet::new();
+    let kept = keep_or_create(input, memory, &ours, plan);
+    if !input.desired.coverage().is_full() {
+        // A scoped derive does not know every entry's parent: no alias is let go.
+        return;
+    }
+    let unwanted: Vec<&Entry> = ours
+        .into_iter()
+        .filter(|e| !kept.contains(e.id.as_str()))
+        .collect();
+    let_go_when_bare(input, &unwanted, plan);
+}
+
+/// Keeps (updating its mutable fields) or creates, first in the plan, each alias the desired
+/// entries hang from; returns the IDs of the aliases kept in SPIRE.
+fn keep_or_create<'o>(
+    input: &Input,
+    memory: &Memory,
+    ours: &[&'o Entry],
+    plan: &mut SpirePlan,
+) -> BTreeSet<&'o str> {
+    let mut kept = BTreeSet::new();
     let mut creates = Vec::new();
-    for alias in wanted.values() {
-        let tampered = observed
+    for alias in wanted_aliases(input).values() {
+        let tampered = input
+            .observed
             .get(&alias.id)
-            .map(|e| &**e)
             .filter(|e| triple(e) != triple(alias));
         // (No longer alias-shaped, a full sync may already delete it as an orphan.)
         if let Some(tampered) = tampered.filter(|t| !plan.delete.iter().any(|d| d.id == t.id)) {
-            plan.delete.push(tampered.clone());
+            plan.delete.push(Entry::clone(tampered));
         }
         // Under our ID, or an alias of ours with the same triple under another ID (a previous
         // cluster name): SPIRE holds one entry per triple.
-        let existing = observed
-            .get(&alias.id)
-            .map(|e| &**e)
-            .filter(|_| tampered.is_none())
-            .or_else(|| ours.iter().copied().find(|e| triple(e) == triple(alias)));
+        let existing = ours
+            .iter()
+            .copied()
+            .find(|e| (e.id == alias.id && tampered.is_none()) || triple(e) == triple(alias));
         if let Some(existing) = existing {
-            kept.insert(&existing.id);
+            kept.insert(existing.id.as_str());
             let wanted = Entry {
                 id: existing.id.clone(),
-                hint: ownership.hint_for(&existing.id).to_string(),
+                hint: input.ownership.hint_for(&existing.id).to_string(),
                 ..alias.clone()
             };
             if existing.mutable_fields_differ(&wanted) {
@@ -73,20 +86,23 @@ pub(super) fn plan_node_aliases(input: &Input, memory: &Memory, plan: &mut Spire
     }
     // Aliases first: no entry of ours is ever in SPIRE before the parent it hangs from.
     plan.create.splice(0..0, creates);
-    if !desired.coverage().is_full() {
-        // A scoped derive does not know every entry's parent: no alias is let go.
-        return;
-    }
+    kept
+}
+
+/// Deletes each unwanted alias from which no entry of ours hangs; holds the others, and comes
+/// back soon for one whose last children this plan deletes.
+fn let_go_when_bare(input: &Input, unwanted: &[&Entry], plan: &mut SpirePlan) {
     let deleting: BTreeSet<&str> = plan.delete.iter().map(|e| e.id.as_str()).collect();
     let creating_under: BTreeSet<&str> = plan.create.iter().map(|e| e.parent_id.as_str()).collect();
     let mut delete = Vec::new();
     let mut held_for_children = false;
-    for alias in ours.into_iter().filter(|e| !kept.contains(e.id.as_str())) {
+    for alias in unwanted.iter().copied() {
         if deleting.contains(alias.id.as_str()) {
             continue;
         }
         let parent = alias.spiffe_id.as_str();
-        let children: Vec<&Entry> = observed
+        let children: Vec<&Entry> = input
+            .observed
             .values()
             .map(|e| &**e)
             .filter(|e| !is_node_alias(e) && e.parent_id == parent)
@@ -110,7 +126,7 @@ pub(super) fn plan_node_aliases(input: &Input, memory: &Memory, plan: &mut Spire
     }
     plan.delete.extend(delete);
     if held_for_children {
-        let soon = *now + AFTER_CHILDREN;
+        let soon = input.now + AFTER_CHILDREN;
         plan.recheck = Some(plan.recheck.map_or(soon, |at: Instant| at.min(soon)));
     }
 }
