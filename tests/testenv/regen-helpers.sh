@@ -23,6 +23,8 @@ rm -f "$kube_dir/go.mod" "$kube_dir/go.sum"
   go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@${KUBERNETES_VERSION}"
   go get -tool "k8s.io/kubernetes/cmd/kube-controller-manager@${KUBERNETES_VERSION}"
   go get -tool "k8s.io/kubernetes/cmd/kubectl@${KUBERNETES_VERSION}"
+  go get -tool "k8s.io/kubernetes/cmd/kubelet@${KUBERNETES_VERSION}"
+  go get -tool "k8s.io/kubernetes/cmd/kube-scheduler@${KUBERNETES_VERSION}"
   go get -tool "go.etcd.io/etcd/server/v3@${ETCD_VERSION}"
   go mod tidy
 )
@@ -41,5 +43,15 @@ tool_module() {
 
 tool_module spire "github.com/spiffe/spire/cmd/spire-server@${SPIRE_VERSION}" \
   "github.com/spiffe/spire/cmd/spire-agent@${SPIRE_VERSION}"
+tool_module containerd "github.com/containerd/containerd/v2/cmd/containerd@${CONTAINERD_VERSION}" \
+  "github.com/containerd/containerd/v2/cmd/ctr@${CONTAINERD_VERSION}" \
+  "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@${CONTAINERD_VERSION}"
+tool_module runc "github.com/opencontainers/runc@${RUNC_VERSION}"
+tool_module cni "github.com/containernetworking/plugins/plugins/main/bridge@${CNI_PLUGINS_VERSION}" \
+  "github.com/containernetworking/plugins/plugins/ipam/host-local@${CNI_PLUGINS_VERSION}" \
+  "github.com/containernetworking/plugins/plugins/main/loopback@${CNI_PLUGINS_VERSION}"
+# The bed's workload module has code of its own (svid-watch, pause): only its requirements are
+# refreshed.
+( cd "$here/go/workload" && go get "github.com/spiffe/go-spiffe/v2@${GO_SPIFFE_VERSION}" && go mod tidy )
 tool_module helm "helm.sh/helm/v4/cmd/helm@${HELM_VERSION}"
 tool_module promtool "github.com/prometheus/prometheus/cmd/promtool@${PROMETHEUS_VERSION}"
