@@ -310,7 +310,8 @@ pub struct Settings {
 pub const KUBE_WRITE_TIMEOUT: Duration = Duration::from_secs(4);
 
 impl Settings {
-    /// Our entries' names under `cluster` (explicit or derived), with the previous names.
+    /// Our entries' names under `cluster` (explicit or derived), with the previous names and
+    /// the node alias.
     pub fn ownership(&self, cluster: &str) -> Result<Ownership, ConfigError> {
         self.cluster.ownership(cluster)
     }

@@ -50,7 +50,7 @@ pub enum RunError {
     TaskEnded(#[from] crate::supervise::TaskEnded),
 }
 
-/// Our entries' names for this cluster (see `cluster_name`) and its previous names.
+/// Our entries' names for this cluster (see `cluster_name`), its previous names and node alias.
 async fn ownership(settings: &Settings, client: &kube::Client) -> Result<Ownership, RunError> {
     let name = cluster_name(settings.cluster.cluster_name.as_deref(), client).await?;
     Ok(settings.ownership(&name)?)

@@ -8,7 +8,7 @@ mod common;
 
 use common::k8s::{annotation, create_namespace_with, eventually};
 use common::node::apply;
-use common::node_agent::{PSAT_CLUSTER, pod_spec, workload_deployment};
+use common::node_agent::{PSAT_CLUSTER, bare_pod, workload_deployment};
 use common::registrar::Registrar;
 use common::reports::{self, Line};
 use common::stack::unique;
@@ -416,12 +416,12 @@ async fn the_last_deployment_of_a_service_account_takes_its_identity_with_it() {
     stack.spire_server.wait_none_for(&id).await;
     // A new Pod of that service account finds no identity.
     let (node, agent) = stack.node();
-    let bare = format!(
-        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: late\n  namespace: {ns}\nspec:\n{}",
-        pod_spec("shared", &agent.reports, &node.dir.join("agent-sockets"))
-            .lines()
-            .map(|line| format!("  {line}\n"))
-            .collect::<String>()
+    let bare = bare_pod(
+        &ns,
+        "late",
+        "shared",
+        &agent.reports,
+        &node.dir.join("agent-sockets"),
     );
     apply(&stack.kube, &bare);
     identity_withdrawn(stack, "late").await;

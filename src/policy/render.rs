@@ -188,8 +188,7 @@ pub fn render(
 }
 
 /// Everything but the ID and hint, which only `Ownership::claim` sets: this value never
-/// leaves the module unclaimed.
-/// `node_alias` gives the parent of a policy that leaves parentID unset, in a trust domain.
+/// leaves the module unclaimed. `node_alias` gives the parent of a policy that leaves parentID unset, in a trust domain.
 fn render_unclaimed(
     spec: &SpiffeRegistrationSpec,
     workload: &Workload,

@@ -8,6 +8,7 @@ use super::node::apply;
 use super::node_agent::workload_deployment;
 use super::reports::{self, Line};
 use super::sampler::spire_client;
+use super::spire::TRUST_DOMAIN;
 use super::stack::Stack;
 use spiffe_registrar::spire::convert::entry_from_proto;
 use spiffe_registrar::spire::proto::entry::ListEntriesRequest;
@@ -132,7 +133,7 @@ pub async fn measure(
     applied
         .into_iter()
         .map(|(name, at)| {
-            let id = format!("spiffe://example.org/ns/{ns}/sa/{name}");
+            let id = format!("spiffe://{TRUST_DOMAIN}/ns/{ns}/sa/{name}");
             let entry = *seen
                 .get(&id)
                 .unwrap_or_else(|| panic!("SPIRE never listed {id}"));

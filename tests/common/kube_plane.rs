@@ -1,9 +1,9 @@
 //! etcd + kube-apiserver + kube-controller-manager on loopback, with an admin kubeconfig.
 //!
-//! kube-controller-manager runs the deployment, replicaset, daemonset, namespace and garbage-collector
-//! controllers, so tests see what a real cluster does to Deployments: status rewritten on every
-//! rollout step, ReplicaSets and Pods created (Pending: there is no scheduler or kubelet), and
-//! namespaces deleted by the namespace controller.
+//! kube-controller-manager runs the deployment, replicaset, daemonset, node-lifecycle, namespace
+//! and garbage-collector controllers, so tests see what a real cluster does to Deployments:
+//! status rewritten on every rollout step, ReplicaSets and Pods created (Pending unless the
+//! stack has a node, `node.rs`), and namespaces deleted by the namespace controller.
 
 use super::certs::TestCa;
 use super::paths::{binary, free_port, kube_bin};

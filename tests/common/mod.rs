@@ -6,6 +6,9 @@
 //!        │           └── kube-apiserver (rcgen certs, RBAC, admin client cert → kubeconfig)
 //!        └── Spire ───── spire-server (SQLite, analyzed SQLite or PostgreSQL on request; join_token, admin UDS + TCP)
 //!                    └── spire-agent (join token, unix workload attestor, Workload API UDS)
+//!  on request (Stack::start_with_node):
+//!        └── Node ────── containerd + kubelet + kube-scheduler (node.rs)
+//!                    └── spire-agent DaemonSet Pod (k8s_psat, k8s workload attestor; node_agent.rs)
 //! ```
 //! Every child runs in its own process group, is stopped by `Stack::stop` (or `Drop`), and is
 //! also watched by a sentinel that kills it when the test binary exits for any reason.

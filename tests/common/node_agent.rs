@@ -269,7 +269,21 @@ spec:
     )
 }
 
-/// The workload Pod's spec (also used for bare Pods).
+/// A bare Pod of the bed's workload (no controller owns it).
+pub fn bare_pod(
+    namespace: &str,
+    name: &str,
+    service_account: &str,
+    reports: &std::path::Path,
+    sockets: &std::path::Path,
+) -> String {
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {namespace}\nspec:\n{}",
+        indent(&pod_spec(service_account, reports, sockets), 2)
+    )
+}
+
+/// The workload Pod's spec (a Deployment's template, or a bare Pod).
 pub fn pod_spec(
     service_account: &str,
     reports: &std::path::Path,

@@ -70,14 +70,10 @@ impl Stack {
         let spire_agent = SpireAgent::start(dir.path(), &spire_server);
         // Known to the sentinel before the node starts (a kill during a slow start must not
         // leave the control plane running).
-        let groups = [
-            kube.etcd.pgid(),
-            kube.apiserver.pgid(),
-            kube.controller_manager.pgid(),
-            spire_server.process.pgid(),
-            spire_agent.process.pgid(),
-        ];
-        let listed: Vec<String> = groups.iter().map(i32::to_string).collect();
+        let listed: Vec<String> = core_groups(&kube, &spire_server, &spire_agent)
+            .iter()
+            .map(i32::to_string)
+            .collect();
         std::fs::write(dir.path().join("pgids"), listed.join("\n"))
             .expect("the pgid list must be writable");
         // The node's teardown.sh, which the sentinel runs, covers it from its first process.
@@ -118,13 +114,7 @@ impl Stack {
 
     /// Process groups of every child, so the sentinel can kill what is running at exit.
     pub fn pgids(&self) -> Vec<i32> {
-        let mut groups = vec![
-            self.kube.etcd.pgid(),
-            self.kube.apiserver.pgid(),
-            self.kube.controller_manager.pgid(),
-            self.spire_server.process.pgid(),
-            self.spire_agent.process.pgid(),
-        ];
+        let mut groups = core_groups(&self.kube, &self.spire_server, &self.spire_agent);
         groups.extend(self.postgres.as_ref().map(|p| p.process.pgid()));
         groups.extend(self.node.iter().flat_map(|(node, _)| node.pgids()));
         groups
@@ -232,6 +222,17 @@ impl Drop for LogsOnPanic<'_> {
             self.0.dump_logs();
         }
     }
+}
+
+/// Process groups of the control plane and SPIRE (what every stack runs).
+fn core_groups(kube: &KubePlane, server: &SpireServer, agent: &SpireAgent) -> Vec<i32> {
+    vec![
+        kube.etcd.pgid(),
+        kube.apiserver.pgid(),
+        kube.controller_manager.pgid(),
+        server.process.pgid(),
+        agent.process.pgid(),
+    ]
 }
 
 /// A shell that waits for this test process to exit (normally, by panic or by a kill), then
