@@ -10,6 +10,7 @@ pub mod certs;
 pub mod config;
 pub mod controller;
 pub mod index;
+pub mod keys;
 pub mod leader;
 pub mod metadata_patch;
 pub mod names;

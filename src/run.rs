@@ -2,8 +2,6 @@
 //! the controller into one process, and shuts them down together on SIGTERM.
 
 use crate::config::Settings;
-use crate::controller::decide::Why;
-use crate::controller::desired::SaKey;
 use crate::controller::metrics::ControllerMetrics;
 use crate::controller::{Controller, ControllerSettings};
 use crate::spire::Ownership;
@@ -297,7 +295,6 @@ pub async fn stop_on_signal(shutdown: CancellationToken) {
 /// `spiffe-registrar plan`: what a sync would change right now, against the live cluster and
 /// SPIRE. Reads only; writes nothing.
 pub async fn plan(settings: Settings) -> Result<String, PlanError> {
-    use std::fmt::Write;
     let client = kube::Client::try_default().await.map_err(RunError::from)?;
     let ownership = ownership(&settings, &client).await?;
     let readiness = Readiness::default();
@@ -318,93 +315,13 @@ pub async fn plan(settings: Settings) -> Result<String, PlanError> {
         settings.client.clone(),
         SpireMetrics::unregistered(),
     );
-    let mut view = crate::controller::view::SpireView::default();
-    view.refresh(&api).await?;
     let controller_settings = controller_settings(&settings, ownership.clone());
-    let (desired, plan) =
-        crate::controller::sync::plan_against(&controller_settings, &index, &view.entries);
+    let out = crate::controller::preview(&controller_settings, &index, &api).await;
     for task in tasks {
         task.abort();
     }
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "cluster {}: {} Deployments seen, {} service accounts with entries desired, {} ours in SPIRE",
-        ownership.cluster(),
-        desired.workloads.len(),
-        plan.serving.len(),
-        view.entries.len()
-    );
-    for entry in &plan.create {
-        let needed_by = SaKey::of_entry(entry)
-            .and_then(|sa| desired.service_accounts.get(&sa))
-            .map(|a| {
-                a.deployments
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            })
-            .unwrap_or_else(|| {
-                if crate::spire::node_alias::is_node_alias(entry) {
-                    "the node alias: every agent of the cluster".to_string()
-                } else {
-                    String::new()
-                }
-            });
-        let _ = writeln!(
-            out,
-            "create {} {} (for {needed_by})",
-            entry.id, entry.spiffe_id
-        );
-    }
-    for entry in &plan.update {
-        let _ = writeln!(
-            out,
-            "update {} {} (x509 ttl {}s, jwt ttl {}s, hint {})",
-            entry.id, entry.spiffe_id, entry.x509_svid_ttl, entry.jwt_svid_ttl, entry.hint
-        );
-    }
-    for entry in &plan.delete {
-        let _ = writeln!(out, "delete {} {}", entry.id, entry.spiffe_id);
-    }
-    let now = std::time::Instant::now();
-    for pending in &plan.pending {
-        let when = match &pending.why {
-            Why::Transition { by, due: Some(due) } => format!(
-                "replaced by {by}; deleted in {}s",
-                due.saturating_duration_since(now).as_secs()
-            ),
-            Why::Transition { by, due: None } => {
-                format!("replaced by {by}, which is not in SPIRE yet; kept")
-            }
-            Why::ScopeLoss { due } => format!(
-                "out of scope; deleted in {}s (scope-loss grace) unless back in scope",
-                due.saturating_duration_since(now).as_secs()
-            ),
-            Why::Brake => "waits for confirmation (deletion brake)".to_string(),
-            Why::Held(reason) => format!("held: {reason}"),
-        };
-        let _ = writeln!(
-            out,
-            "pending-delete {} {} ({when})",
-            pending.entry.id, pending.entry.spiffe_id
-        );
-    }
-    if let Some(brake) = &plan.brake {
-        let _ = writeln!(
-            out,
-            "deletion brake: {} of {} entries would go at once; confirm with: {}",
-            brake.count,
-            brake.total,
-            crate::controller::status::confirm_command(&brake.token)
-        );
-    }
-    if plan.writes() == 0 && plan.pending.is_empty() {
-        let _ = writeln!(out, "in sync: nothing to do");
-    }
     connection.shutdown().await;
-    Ok(out)
+    Ok(out?)
 }
 
 #[derive(Debug, thiserror::Error)]

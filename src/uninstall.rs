@@ -12,7 +12,8 @@
 //! Every step is idempotent, so a run that failed half-way is simply run again.
 
 use crate::config::{ClusterArgs, ConfigError, InstallationArgs, SpireArgs};
-use crate::controller::record::{MetadataChange, patch_metadata};
+use crate::controller::decide::MetadataChange;
+use crate::controller::record::patch_metadata;
 use crate::index::DeploymentRecord;
 use crate::leader::LEASE_NAME;
 use crate::spire::metrics::SpireMetrics;

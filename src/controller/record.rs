@@ -3,6 +3,7 @@
 //! cache can never clobber someone else's change, while kube-controller-manager's status writes
 //! never make our patch fail), Events, and policy status.
 
+use super::decide::MetadataChange;
 use super::events::EventSink;
 use crate::index::DeploymentRecord;
 use crate::metadata_patch::{self as patch, Target, writes_anything};
@@ -12,22 +13,6 @@ use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, Resource};
 use std::sync::Arc;
-
-/// What a Deployment's metadata should become.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct MetadataChange {
-    pub add_finalizer: bool,
-    pub remove_finalizer: bool,
-    /// `Some(None)` removes the annotation. Values are shared among the writes of a sync.
-    pub spiffe_id: Option<Option<Arc<str>>>,
-    pub entry_id: Option<Option<Arc<str>>>,
-}
-
-impl MetadataChange {
-    pub fn is_empty(&self) -> bool {
-        *self == MetadataChange::default()
-    }
-}
 
 /// JSON Patch operations for `change` against the cached `deployment`, each guarded by a
 /// `test` of what it relies on: the finalizer list it edits by index or appends to, and, when

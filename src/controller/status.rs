@@ -3,18 +3,10 @@
 
 use super::decide::{Brake, Failures, Memory, SpirePlan};
 use super::desired::{Desired, SaState};
+use super::policy_notes::confirm_command;
 use crate::policy::{SpiffeRegistration, SpiffeRegistrationStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
-
-/// How an operator confirms the deletions the brake holds (README, "Deletion brake").
-pub fn confirm_command(token: &str) -> String {
-    format!(
-        "kubectl annotate crd {} {}={token} --overwrite",
-        crate::names::CRD_NAME,
-        crate::names::CONFIRM_DELETIONS_ANNOTATION
-    )
-}
 
 /// A condition that keeps its lastTransitionTime while its status stays the same.
 fn condition(
@@ -52,110 +44,11 @@ pub struct Outcome<'a> {
 
 /// The status `policy` should have after this sync.
 pub fn compute(policy: &SpiffeRegistration, outcome: &Outcome) -> SpiffeRegistrationStatus {
-    let Outcome {
-        desired,
-        plan,
-        failures,
-        memory,
-    } = outcome;
     let name = policy.name_any();
-    let mut selected = 0u32;
-    let mut entries = 0u32;
-    let mut failed = 0u32;
-    let mut first_failure = None;
-    for account in desired.service_accounts.values() {
-        let (governs, problem) = match &account.state {
-            SaState::Needs { policy, entry } => {
-                let problem = failures
-                    .get(&entry.id)
-                    .map(ToString::to_string)
-                    .or_else(|| {
-                        memory.rejected.get(&entry.id).map(|(_, reason)| {
-                            format!("SPIRE rejected {}: {reason}", entry.spiffe_id)
-                        })
-                    });
-                (*policy == name, problem)
-            }
-            SaState::Invalid {
-                policy, message, ..
-            } => (*policy == name, Some(message.clone())),
-            SaState::OutOfScope => (false, None),
-        };
-        if !governs {
-            continue;
-        }
-        selected += account.deployments.len() as u32;
-        if let Some(problem) = problem {
-            failed += 1;
-            first_failure.get_or_insert(problem);
-        } else {
-            entries += 1;
-        }
-    }
-    let pending = plan
-        .pending
-        .iter()
-        .filter(|p| memory.policy_of(&p.entry.id) == Some(name.as_str()))
-        .count() as u32;
-    let conflicts = desired.conflicts.get(&name).map(|c| c.len()).unwrap_or(0);
-    let (status, reason, message) =
-        if let Some((reason, message)) = desired.invalid_policies.get(&name) {
-            ("False", reason.to_string(), message.clone())
-        } else if let Some(first) = first_failure {
-            (
-                "False",
-                "RegistrationFailed".to_string(),
-                format!(
-                    "{failed} of {} service accounts have no entry; first: {first}",
-                    failed + entries
-                ),
-            )
-        } else {
-            let mut message = format!("{selected} workloads registered under {entries} entries");
-            if conflicts > 0 {
-                message.push_str(&format!(
-                    "; {conflicts} more match but another policy governs their service accounts"
-                ));
-            }
-            if pending > 0 {
-                message.push_str(&format!("; {pending} entries pending deletion"));
-            }
-            ("True", "Registered".to_string(), message)
-        };
-    let (conflict, conflict_reason, conflict_message) = if conflicts > 0 {
-        (
-            "True",
-            "AnotherPolicyGoverns",
-            format!(
-                "{conflicts} Deployments match this policy but another policy governs their service accounts (higher priority, or older)"
-            ),
-        )
-    } else {
-        (
-            "False",
-            "NoConflict",
-            "every Deployment matched by this policy is governed by it".to_string(),
-        )
-    };
-    let (braked, brake_reason, brake_message) = match &plan.brake {
-        Some(Brake {
-            token,
-            count,
-            total,
-        }) => (
-            "True",
-            "MassDeletionHeld",
-            format!(
-                "{count} of {total} entries lost their scope at once; nothing is deleted until an operator confirms with: {}",
-                confirm_command(token)
-            ),
-        ),
-        None => (
-            "False",
-            "NotEngaged",
-            "no mass deletion is waiting".to_string(),
-        ),
-    };
+    let counts = Counts::of(&name, outcome);
+    let (status, reason, message) = ready(&name, outcome.desired, &counts);
+    let (conflict, conflict_reason, conflict_message) = conflict(counts.conflicts);
+    let (braked, brake_reason, brake_message) = deletion_brake(outcome.plan.brake.as_ref());
     SpiffeRegistrationStatus {
         conditions: vec![
             condition(policy, "Ready", status, reason, message),
@@ -175,10 +68,149 @@ pub fn compute(policy: &SpiffeRegistration, outcome: &Outcome) -> SpiffeRegistra
             ),
         ],
         observed_generation: policy.metadata.generation,
-        selected_workloads: selected,
-        entries,
-        failures: failed,
-        pending_deletions: pending,
+        selected_workloads: counts.selected,
+        entries: counts.entries,
+        failures: counts.failed,
+        pending_deletions: counts.pending,
+    }
+}
+
+/// What one policy governs after a sync.
+struct Counts {
+    /// Deployments running as the service accounts it governs.
+    selected: u32,
+    /// Its service accounts served by an entry.
+    entries: u32,
+    /// Its service accounts without one, and why the first is.
+    failed: u32,
+    first_failure: Option<String>,
+    /// Its entries pending deletion.
+    pending: u32,
+    /// Deployments it matches that another policy governs.
+    conflicts: usize,
+}
+
+impl Counts {
+    fn of(name: &str, outcome: &Outcome) -> Self {
+        let Outcome {
+            desired,
+            plan,
+            failures,
+            memory,
+        } = outcome;
+        let mut counts = Counts {
+            selected: 0,
+            entries: 0,
+            failed: 0,
+            first_failure: None,
+            pending: plan
+                .pending
+                .iter()
+                .filter(|p| memory.policy_of(&p.entry.id) == Some(name))
+                .count() as u32,
+            conflicts: desired.conflicts.get(name).map(|c| c.len()).unwrap_or(0),
+        };
+        for account in desired.service_accounts.values() {
+            let (governs, problem) = match &account.state {
+                SaState::Needs { policy, entry } => {
+                    let problem = failures
+                        .get(&entry.id)
+                        .map(ToString::to_string)
+                        .or_else(|| {
+                            memory.rejected.get(&entry.id).map(|(_, reason)| {
+                                format!("SPIRE rejected {}: {reason}", entry.spiffe_id)
+                            })
+                        });
+                    (policy == name, problem)
+                }
+                SaState::Invalid {
+                    policy, message, ..
+                } => (policy == name, Some(message.clone())),
+                SaState::OutOfScope => (false, None),
+            };
+            if !governs {
+                continue;
+            }
+            counts.selected += account.deployments.len() as u32;
+            if let Some(problem) = problem {
+                counts.failed += 1;
+                counts.first_failure.get_or_insert(problem);
+            } else {
+                counts.entries += 1;
+            }
+        }
+        counts
+    }
+}
+
+/// The `Ready` condition: (status, reason, message).
+fn ready(name: &str, desired: &Desired, counts: &Counts) -> (&'static str, String, String) {
+    if let Some((reason, message)) = desired.invalid_policies.get(name) {
+        return ("False", reason.to_string(), message.clone());
+    }
+    if let Some(first) = &counts.first_failure {
+        let message = format!(
+            "{} of {} service accounts have no entry; first: {first}",
+            counts.failed,
+            counts.failed + counts.entries
+        );
+        return ("False", "RegistrationFailed".to_string(), message);
+    }
+    let mut message = format!(
+        "{} workloads registered under {} entries",
+        counts.selected, counts.entries
+    );
+    if counts.conflicts > 0 {
+        message.push_str(&format!(
+            "; {} more match but another policy governs their service accounts",
+            counts.conflicts
+        ));
+    }
+    if counts.pending > 0 {
+        message.push_str(&format!("; {} entries pending deletion", counts.pending));
+    }
+    ("True", "Registered".to_string(), message)
+}
+
+/// The `Conflict` condition.
+fn conflict(conflicts: usize) -> (&'static str, &'static str, String) {
+    if conflicts > 0 {
+        (
+            "True",
+            "AnotherPolicyGoverns",
+            format!(
+                "{conflicts} Deployments match this policy but another policy governs their service accounts (higher priority, or older)"
+            ),
+        )
+    } else {
+        (
+            "False",
+            "NoConflict",
+            "every Deployment matched by this policy is governed by it".to_string(),
+        )
+    }
+}
+
+/// The `DeletionBrake` condition.
+fn deletion_brake(brake: Option<&Brake>) -> (&'static str, &'static str, String) {
+    match brake {
+        Some(Brake {
+            token,
+            count,
+            total,
+        }) => (
+            "True",
+            "MassDeletionHeld",
+            format!(
+                "{count} of {total} entries lost their scope at once; nothing is deleted until an operator confirms with: {}",
+                confirm_command(token)
+            ),
+        ),
+        None => (
+            "False",
+            "NotEngaged",
+            "no mass deletion is waiting".to_string(),
+        ),
     }
 }
 
@@ -203,7 +235,8 @@ pub fn same_status(
 mod tests {
     use super::*;
     use crate::controller::decide::{Input, spire_plan};
-    use crate::controller::desired::{NamespaceInfo, compute as desired};
+    use crate::controller::desired::compute as desired;
+    use crate::index::NamespaceInfo;
     use crate::policy::OptIn;
     use crate::policy::testing::{mk_deployment, mk_policy, recorded};
     use crate::spire::Ownership;

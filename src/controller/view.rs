@@ -2,16 +2,11 @@
 //! own write results. A trigger therefore costs no list call; the periodic resync re-lists (by
 //! hint, paged) to catch what others changed: entries deleted or edited by hand.
 
-use super::decide::SpirePlan;
+use super::decide::{Observed, SpirePlan};
 use crate::spire::{Entry, EntryApi, ItemError, Ownership, SpireError};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Our entries in SPIRE, by ID. Shared: an entry we created is the very one desired state
-/// rendered, so a cold start holds each entry once, not once for desired state and once for
-/// the view (at 50,000 Deployments that was ~12 MiB of the first sync's peak).
-pub type Observed = BTreeMap<String, Arc<Entry>>;
 
 #[derive(Default)]
 pub struct SpireView {

@@ -4,12 +4,13 @@
 //! in flight are futures (a kube request future is kilobytes: a first sync of 10,000
 //! Deployments spawned as tasks at once took tens of MiB).
 
-use super::decide::WorkloadWrite;
-use super::desired::{DeploymentKey, Desired};
+use super::decide::{FailedWrite, WorkloadWrite};
+use super::desired::Desired;
 use super::events::EventSink;
 use super::metrics::ControllerMetrics;
 use super::record::write_workload;
 use crate::index::{DeploymentRecord, DeploymentStore};
+use crate::keys::DeploymentKey;
 use futures::StreamExt;
 use kube::Client;
 use prometheus::IntCounter;
@@ -189,18 +190,6 @@ pub struct Finished {
     pub patch_failed: bool,
     /// The writes whose patch failed, with what they carried.
     pub failed: Vec<FailedWrite>,
-}
-
-/// A write whose patch failed. Its outcome can still be that it landed: an overloaded
-/// apiserver gives up on a request after committing it, and reading it back at once can come
-/// too early. A later sync settles it (`decide::Memory::settle_failed_writes`).
-#[derive(Debug)]
-pub struct FailedWrite {
-    pub key: DeploymentKey,
-    /// The entry ID a first registration carried (counted if it turns out to have landed).
-    pub registered: Option<Arc<str>>,
-    /// Its Events, not published.
-    pub announce: Vec<super::decide::Announce>,
 }
 
 impl Finished {

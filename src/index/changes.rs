@@ -9,7 +9,7 @@
 //! Namespace / policy watch, relist ─ everything() ─┼─▶ Changes ─ take() ─▶ controller
 //! ```
 
-use crate::controller::desired::SaKey;
+use crate::keys::SaKey;
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 

@@ -6,7 +6,7 @@
 //! only ours are kept.
 
 use super::token::Token;
-use crate::controller::desired::{DeploymentKey, SaKey};
+use crate::keys::{DeploymentKey, SaKey};
 use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
 use crate::policy::Labels;
 use k8s_openapi::NamespaceResourceScope;

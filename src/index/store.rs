@@ -403,8 +403,8 @@ mod tests {
 
     #[tokio::test]
     async fn each_event_tells_which_service_accounts_it_touched() {
-        use crate::controller::desired::SaKey;
         use crate::index::{Changed, Changes};
+        use crate::keys::SaKey;
         let sa = |ns: &str, name: &str| SaKey {
             namespace: ns.into(),
             service_account: name.into(),

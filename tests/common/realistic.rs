@@ -2,7 +2,7 @@
 //! measurements (`tests/memory_budget.rs`, the `event-cpu` benchmark).
 
 use serde_json::{Value, json};
-use spiffe_registrar::controller::desired::SaKey;
+use spiffe_registrar::keys::SaKey;
 use spiffe_registrar::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
 use spiffe_registrar::spire::Ownership;
 

@@ -7,7 +7,9 @@
 //! our aliases in SPIRE, not wanted ──────▶ children left? ─▶ held (recheck) | delete
 //! ```
 
-use super::{Input, Memory, Pending, SpirePlan, Why, triple};
+use super::input::Input;
+use super::memory::Memory;
+use super::plan::{Pending, SpirePlan, Why, triple};
 use crate::controller::desired::SaState;
 use crate::spire::Entry;
 use crate::spire::node_alias::is_node_alias;

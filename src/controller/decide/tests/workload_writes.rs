@@ -1,0 +1,227 @@
+//! Deployment writes: finalizers, annotations and Events (DESIGN invariants 1 and 5: what we
+//! wrote is never read back as truth; a finalizer goes only once nothing of ours waits on it).
+
+use super::*;
+use crate::spire::ItemError;
+
+#[test]
+fn a_held_entry_never_stalls_an_unrelated_deleting_deployment() {
+    let mut w = World::new();
+    let held = rendered(&w.o, "a", "held", "spiffe://td/p");
+    w.in_spire(&held);
+    w.account(
+        "a",
+        "held",
+        &["h"],
+        SaState::Invalid {
+            policy: "p".into(),
+            reason: "InvalidTTL",
+            message: "bad".into(),
+        },
+    );
+    w.deleting("a", "leaving", "other");
+    let plan = w.decide(0);
+    w.apply(&plan);
+    let writes = w.writes(&plan, &Failures::new());
+    let leaving = writes
+        .iter()
+        .find(|x| x.key == dk("a", "leaving"))
+        .expect("a write for the deleting Deployment");
+    assert!(leaving.change.remove_finalizer);
+}
+
+#[test]
+fn a_deleting_deployment_waits_for_its_entry_and_says_why_when_spire_fails() {
+    let mut w = World::new();
+    let e = rendered(&w.o, "a", "api", "spiffe://td/p");
+    w.in_spire(&e);
+    w.deleting("a", "web", "api");
+    let plan = w.decide(0);
+    let failures = Failures::from([(
+        e.id.clone(),
+        ItemError::Other {
+            id: e.id.clone(),
+            code: tonic::Code::Unavailable,
+            message: "down".into(),
+        },
+    )]);
+    let writes = w.writes(&plan, &failures);
+    assert!(!writes[0].change.remove_finalizer);
+    assert_eq!(
+        writes[0].announce.first().map(|a| a.reason),
+        Some("DeregistrationFailed")
+    );
+    w.apply(&plan);
+    let writes = w.writes(&plan, &Failures::new());
+    assert!(writes[0].change.remove_finalizer);
+}
+
+#[test]
+fn a_deleting_deployment_with_a_live_sibling_is_released_and_the_entry_stays() {
+    let mut w = World::new();
+    let e = w.needs("a", "api", &["worker"], "spiffe://td/p");
+    w.in_spire(&e);
+    w.deleting("a", "web", "api");
+    let plan = w.decide(0);
+    assert!(plan.delete.is_empty());
+    let writes = w.writes(&plan, &Failures::new());
+    let web = writes
+        .iter()
+        .find(|x| x.key == dk("a", "web"))
+        .expect("web");
+    assert!(web.change.remove_finalizer);
+}
+
+#[test]
+fn an_out_of_scope_deployment_keeps_its_finalizer_until_the_entry_is_gone() {
+    let mut w = World::new();
+    let e = rendered(&w.o, "a", "api", "spiffe://td/p");
+    w.in_spire(&e);
+    w.account("a", "api", &["web"], SaState::OutOfScope);
+    w.desired
+        .workloads
+        .get_mut(&dk("a", "web"))
+        .expect("web")
+        .entry_id = Some(e.id.as_str().into());
+    let plan = w.decide(0);
+    let writes = w.writes(&plan, &Failures::new());
+    assert!(writes[0].change.is_empty());
+    assert_eq!(
+        writes[0].announce.first().map(|a| a.reason),
+        Some("DeregistrationPending")
+    );
+    let plan = w.decide(SCOPE);
+    w.apply(&plan);
+    let writes = w.writes(&plan, &Failures::new());
+    assert!(writes[0].change.remove_finalizer);
+    assert_eq!(
+        writes[0].change.entry_id,
+        Some(None),
+        "annotations stripped"
+    );
+}
+
+#[test]
+fn a_forged_entry_id_is_corrected_and_pins_nothing() {
+    let mut w = World::new();
+    let victim = rendered(&w.o, "b", "theirs", "spiffe://td/p");
+    w.in_spire(&victim);
+    let e = w.needs("a", "api", &["web"], "spiffe://td/p");
+    w.in_spire(&e);
+    w.desired
+        .workloads
+        .get_mut(&dk("a", "web"))
+        .expect("web")
+        .entry_id = Some(victim.id.as_str().into());
+    let plan = w.decide(0);
+    assert_eq!(
+        ids(&plan.delete),
+        vec![victim.id.as_str()],
+        "nothing runs as b/theirs: the annotation does not keep it"
+    );
+    let writes = w.writes(&plan, &Failures::new());
+    assert_eq!(writes[0].change.entry_id, Some(Some(e.id.as_str().into())));
+}
+
+#[test]
+fn registration_is_announced_once() {
+    let mut w = World::new();
+    let e = w.needs("a", "api", &["web"], "spiffe://td/p");
+    let plan = w.decide(0);
+    w.apply(&plan);
+    let writes = w.writes(&plan, &Failures::new());
+    assert!(writes[0].registered);
+    assert_eq!(writes[0].change.entry_id, Some(Some(e.id.as_str().into())));
+    assert_eq!(
+        writes[0].announce.first().map(|a| a.reason),
+        Some("Registered")
+    );
+    // The patch landed.
+    let web = w.desired.workloads.get_mut(&dk("a", "web")).expect("web");
+    web.entry_id = Some(e.id.as_str().into());
+    web.spiffe_id = Some(e.spiffe_id.as_str().into());
+    let plan = w.decide(1);
+    assert!(w.writes(&plan, &Failures::new()).is_empty());
+}
+
+#[test]
+fn deployments_are_told_which_policy_governs_their_service_account() {
+    let mut w = World::new();
+    let e = w.needs("a", "api", &["web"], "spiffe://td/p");
+    w.in_spire(&e);
+    w.desired
+        .service_accounts
+        .get_mut(&sa("a", "api"))
+        .expect("api")
+        .losers = vec!["other".into()];
+    let plan = w.decide(0);
+    let writes = w.writes(&plan, &Failures::new());
+    let reasons: Vec<&str> = writes[0].announce.iter().map(|a| a.reason).collect();
+    assert_eq!(reasons, vec!["Registered", "PolicyConflict"]);
+    let plan = w.decide(1);
+    assert!(
+        w.writes(&plan, &Failures::new())
+            .iter()
+            .all(|x| x.announce.iter().all(|a| a.reason != "PolicyConflict")),
+        "told once"
+    );
+}
+
+#[test]
+fn a_terminating_namespace_releases_its_deployments_without_events() {
+    let mut w = World::new();
+    let e = rendered(&w.o, "a", "api", "spiffe://td/p");
+    w.in_spire(&e);
+    w.deleting("a", "web", "api");
+    let web = w.desired.workloads.get_mut(&dk("a", "web")).expect("web");
+    web.namespace_terminating = true;
+    web.entry_id = Some(e.id.as_str().into());
+    let plan = w.decide(0);
+    assert_eq!(ids(&plan.delete), vec![e.id.as_str()]);
+    w.apply(&plan);
+    let writes = w.writes(&plan, &Failures::new());
+    assert!(writes[0].change.remove_finalizer);
+    assert!(writes[0].announce.is_empty(), "Events are refused there");
+}
+
+#[test]
+fn a_failed_write_is_counted_and_announced_once_if_a_later_sync_sees_it_landed() {
+    let mut w = World::new();
+    let e = w.needs("a", "api", &["landed", "lost", "other"], "spiffe://td/p");
+    for (name, shown) in [
+        ("landed", Some(e.id.as_str())),
+        ("lost", None),
+        ("other", Some("sreg.c.someone-else")),
+    ] {
+        let workload = w.desired.workloads.get_mut(&dk("a", name)).expect("built");
+        workload.entry_id = shown.map(Into::into);
+    }
+    let registered = Announce::normal("Registered", format!("entry {}", e.id));
+    let failed = |name: &str| FailedWrite {
+        key: dk("a", name),
+        registered: Some(e.id.as_str().into()),
+        announce: vec![registered.clone()],
+    };
+    // The announcements were made (remembered) when the writes were computed.
+    for name in ["landed", "lost"] {
+        assert!(w.memory.first_time(&dk("a", name), &registered));
+    }
+    w.memory
+        .failed_writes(["landed", "lost", "other", "gone"].map(failed).into());
+    assert!(
+        w.memory.first_time(&dk("a", "lost"), &registered),
+        "an unpublished announcement is made again by the retried write"
+    );
+    let landed = w.memory.settle_failed_writes(&w.desired);
+    let keys: Vec<_> = landed.iter().map(|f| f.key.clone()).collect();
+    assert_eq!(keys, vec![dk("a", "landed")], "only the one that landed");
+    assert_eq!(landed[0].announce, vec![registered.clone()]);
+    assert!(
+        !w.memory.first_time(&dk("a", "landed"), &registered),
+        "published with the settlement: not again"
+    );
+    assert!(
+        w.memory.settle_failed_writes(&w.desired).is_empty(),
+        "settled once"
+    );
+}
