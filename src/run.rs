@@ -18,6 +18,7 @@ use futures::FutureExt;
 use k8s_openapi::api::authentication::v1::SelfSubjectReview;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::PostParams;
+use prometheus::Registry;
 use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
@@ -115,33 +116,15 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     {
         tasks.watch(name, task);
     }
-
-    // The admin port outlives `shutdown` a little: `/readyz` must say why we are going.
-    let admin_stop = CancellationToken::new();
     if settings.controller {
-        let writes = write_client().await?;
-        let (leadership, lease_task) =
-            leader::elect(writes.clone(), settings.election.clone(), shutdown.clone());
-        tasks.watch_graceful("leader election", lease_task);
-        let controller = run_controller(
-            settings.clone(),
-            ownership.clone(),
-            writes,
-            index.clone(),
-            ControllerMetrics::register(&registry)?,
-            SpireMetrics::register(&registry)?,
-            trigger,
-            leadership,
-            shutdown.clone(),
-        );
-        tasks.watch_graceful(
-            "controller",
-            tokio::spawn(controller.instrument(tracing::info_span!("controller"))),
-        );
+        let (ownership, index) = (ownership.clone(), index.clone());
+        start_controller(
+            &settings, ownership, index, &registry, trigger, &mut tasks, &shutdown,
+        )
+        .await?;
     } else {
         tracing::info!("controller disabled (--controller=false): serving the webhook only");
     }
-
     let (serving, cert_task) = certs::start(
         settings.certs.clone(),
         client.clone(),
@@ -154,26 +137,18 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
         metrics: WebhookMetrics::register(&registry)?,
         registrar_user,
     });
-    let webhook_listener = tokio::net::TcpListener::bind(settings.webhook_addr)
-        .await
-        .map_err(|source| RunError::Bind {
-            addr: settings.webhook_addr,
-            source,
-        })?;
-    let admin_listener = tokio::net::TcpListener::bind(settings.admin_addr)
-        .await
-        .map_err(|source| RunError::Bind {
-            addr: settings.admin_addr,
-            source,
-        })?;
+    let webhook_listener = bind(settings.webhook_addr).await?;
+    let admin_listener = bind(settings.admin_addr).await?;
     tracing::info!(webhook = %settings.webhook_addr, admin = %settings.admin_addr, cluster = ownership.cluster(), "serving");
-
+    // The admin port outlives `shutdown` a little: `/readyz` must say why we are going.
+    let admin_stop = CancellationToken::new();
     let admin = admin_router(registry.clone(), readiness.clone());
     let admin_task = tokio::spawn(
         axum::serve(admin_listener, admin)
             .with_graceful_shutdown(admin_stop.clone().cancelled_owned())
             .into_future()
-            .map(|_| ()),
+            .map(|_| ())
+            .instrument(tracing::info_span!("admin")),
     );
     let webhook_task = tokio::spawn(
         serve(
@@ -185,7 +160,59 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
         .instrument(tracing::info_span!("webhook")),
     );
     tasks.watch_graceful("webhook server", webhook_task);
+    let result = supervise_until_shutdown(tasks, &readiness, &shutdown).await;
+    admin_stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_millis(500), admin_task).await;
+    tracing::info!("stopped");
+    result
+}
 
+/// The lease task and the controller, both stopped gracefully by the supervisor.
+async fn start_controller(
+    settings: &Settings,
+    ownership: Ownership,
+    index: index::Index,
+    registry: &Registry,
+    trigger: Arc<Notify>,
+    tasks: &mut Supervisor,
+    shutdown: &CancellationToken,
+) -> Result<(), RunError> {
+    let writes = write_client().await?;
+    let (leadership, lease_task) =
+        leader::elect(writes.clone(), settings.election.clone(), shutdown.clone());
+    tasks.watch_graceful("leader election", lease_task);
+    let controller = run_controller(
+        settings.clone(),
+        ownership,
+        writes,
+        index,
+        ControllerMetrics::register(registry)?,
+        SpireMetrics::register(registry)?,
+        trigger,
+        leadership,
+        shutdown.clone(),
+    );
+    tasks.watch_graceful(
+        "controller",
+        tokio::spawn(controller.instrument(tracing::info_span!("controller"))),
+    );
+    Ok(())
+}
+
+async fn bind(addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener, RunError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| RunError::Bind { addr, source })
+}
+
+/// Waits for shutdown or the first long-lived task to end; then stops every task. A task
+/// that ended on its own is an error: readiness says why for a moment, then the process
+/// exits so the pod is restarted.
+async fn supervise_until_shutdown(
+    mut tasks: Supervisor,
+    readiness: &Readiness,
+    shutdown: &CancellationToken,
+) -> Result<(), RunError> {
     let failure = tokio::select! {
         _ = shutdown.cancelled() => None,
         ended = tasks.first_to_end() => (!shutdown.is_cancelled()).then_some(ended),
@@ -200,9 +227,6 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     // Shutdown ends the leadership term (cancelling the controller's writes) and releases the
     // Lease, so another replica takes over at once instead of after the lease duration.
     tasks.stop(Duration::from_secs(3)).await;
-    admin_stop.cancel();
-    let _ = tokio::time::timeout(Duration::from_millis(500), admin_task).await;
-    tracing::info!("stopped");
     match failure {
         Some(ended) => Err(RunError::TaskEnded(ended)),
         None => Ok(()),

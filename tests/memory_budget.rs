@@ -5,7 +5,7 @@
 //!
 //! The scale benchmark measures the whole process at 50,000 Deployments in an hour; this
 //! measures each structure in seconds, so a change that makes one of them grow fails here,
-//! in the fast tier, and the budgets below are what the README's memory sizing rests on.
+//! in the fast tier, and the budgets below are what docs/benchmarks.md's memory sizing rests on.
 //! One test in this binary: the counter is process-wide.
 
 #[path = "common/realistic.rs"]
@@ -74,7 +74,7 @@ const CLUSTER: &str = "scale";
 /// scale benchmark), a few percent above what this measures today (2026-12: cache 485, view
 /// 267, memory 230, first sync 1,006; the view shares each entry it created with the desired
 /// state). At rest the process holds cache + view + memory; a
-/// cold start peaks at cache + first sync. The README's memory sizing is these times N.
+/// cold start peaks at cache + first sync. docs/benchmarks.md's memory sizing is these times N.
 const CACHE_PER_DEPLOYMENT: usize = 500;
 const VIEW_PER_DEPLOYMENT: usize = 280;
 const MEMORY_PER_DEPLOYMENT: usize = 245;

@@ -1,4 +1,4 @@
-//! The scale benchmark at a small N, so it cannot rot; the large runs are in the README. It
+//! The scale benchmark at a small N, so it cannot rot; the large runs are in docs/benchmarks.md. It
 //! runs on PostgreSQL, so that test-bed option cannot rot either (every other test bed uses
 //! SQLite).
 

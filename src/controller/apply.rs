@@ -7,7 +7,7 @@
 use super::decide::{self, SpirePlan, StageKind};
 use super::desired::Desired;
 use super::failpoint::failpoint;
-use super::leading::Controller;
+use super::state::Controller;
 use super::view::ApplyReport;
 use super::writer::WorkloadWriter;
 use crate::keys::SaKey;

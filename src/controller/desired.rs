@@ -199,6 +199,40 @@ pub fn compute_for(
         scope,
         ..Desired::default()
     };
+    note_policy_problems(&mut desired, policies);
+    let grouped = group(deployments, namespaces);
+    desired.workloads = grouped.workloads.into_iter().collect();
+    let mut service_accounts = Vec::with_capacity(grouped.live.len());
+    for (sa, members) in grouped.live {
+        let labels = grouped
+            .namespaces
+            .get(&sa.namespace)
+            .cloned()
+            .flatten()
+            .map(|ns| ns.labels);
+        let resolution = resolve(
+            opt_in,
+            &sa.namespace,
+            labels.as_ref(),
+            &sa.service_account,
+            members.iter().map(|(_, d)| &d.labels),
+            policies.iter().map(Arc::as_ref),
+            ownership,
+        );
+        let mut keys: Vec<DeploymentKey> = members.into_iter().map(|(k, _)| k).collect();
+        keys.sort_unstable();
+        keys.shrink_to_fit();
+        let account = account(&mut desired, resolution, keys, known);
+        service_accounts.push((sa, account));
+    }
+    desired.service_accounts = service_accounts.into_iter().collect();
+    refuse_shared_ids(&mut desired);
+    desired
+}
+
+/// Records every policy that cannot be used, and puts the cluster in doubt while a live
+/// policy's selectors cannot be evaluated.
+fn note_policy_problems(desired: &mut Desired, policies: &[Arc<SpiffeRegistration>]) {
     for policy in policies {
         if let Some((reason, message)) = policy_problem(policy) {
             if reason == "InvalidSelector" && policy.metadata.deletion_timestamp.is_none() {
@@ -209,6 +243,22 @@ pub fn compute_for(
                 .insert(policy.name_any(), (reason, message));
         }
     }
+}
+
+/// Deployments grouped for the decisions.
+struct Grouped<'d> {
+    /// Every Deployment, in cache order.
+    workloads: Vec<(DeploymentKey, Workload)>,
+    /// The live ones, by the service account they run as.
+    live: BTreeMap<SaKey, Vec<(DeploymentKey, &'d DeploymentRecord)>>,
+    /// What each namespace seen is (looked up once each).
+    namespaces: BTreeMap<Arc<str>, Option<NamespaceInfo>>,
+}
+
+fn group<'d>(
+    deployments: &'d [Arc<DeploymentRecord>],
+    namespaces: &dyn Fn(&str) -> Option<NamespaceInfo>,
+) -> Grouped<'d> {
     let mut live: BTreeMap<SaKey, Vec<(DeploymentKey, &DeploymentRecord)>> = BTreeMap::new();
     let mut namespace_cache: BTreeMap<Arc<str>, Option<NamespaceInfo>> = BTreeMap::new();
     // Collected, then built in one go: a map built from sorted input has full nodes, one
@@ -247,69 +297,58 @@ pub fn compute_for(
             },
         ));
     }
-    desired.workloads = workloads.into_iter().collect();
-    let mut service_accounts = Vec::with_capacity(live.len());
-    for (sa, members) in live {
-        let labels = namespace_cache
-            .get(&sa.namespace)
-            .cloned()
-            .flatten()
-            .map(|ns| ns.labels);
-        let resolution = resolve(
-            opt_in,
-            &sa.namespace,
-            labels.as_ref(),
-            &sa.service_account,
-            members.iter().map(|(_, d)| &d.labels),
-            policies.iter().map(Arc::as_ref),
-            ownership,
-        );
-        let mut keys: Vec<DeploymentKey> = members.into_iter().map(|(k, _)| k).collect();
-        keys.sort_unstable();
-        keys.shrink_to_fit();
-        let mut loser_names = Vec::new();
-        let state = match resolution {
-            Resolution::OutOfScope => SaState::OutOfScope,
-            Resolution::Invalid { policy, error } => SaState::Invalid {
-                policy: policy.name_any(),
-                reason: error.reason(),
-                message: error.to_string(),
-            },
-            Resolution::InScope {
-                policy,
-                entry,
-                losers,
-            } => {
-                for loser in losers {
-                    loser_names.push(loser.name_any());
-                    desired
-                        .conflicts
-                        .entry(loser.name_any())
-                        .or_default()
-                        .extend(keys.iter().cloned());
-                }
-                let entry = match known.get(&entry.id) {
-                    Some(stored) if stored.renders_as(&entry) => stored.clone(),
-                    _ => Arc::new(entry.shrunk()),
-                };
-                SaState::Needs {
-                    policy: policy.name_any(),
-                    entry,
-                }
-            }
-        };
-        service_accounts.push((
-            sa,
-            ServiceAccount {
-                state,
-                deployments: keys,
-                losers: loser_names,
-            },
-        ));
+    Grouped {
+        workloads,
+        live,
+        namespaces: namespace_cache,
     }
-    desired.service_accounts = service_accounts.into_iter().collect();
-    refuse_shared_ids(&mut desired);
-    desired
+}
+
+/// One service account's state from its policy resolution; conflicts are noted on the
+/// policies that lost. A rendered entry identical to the one SPIRE holds is shared with the
+/// view.
+fn account(
+    desired: &mut Desired,
+    resolution: Resolution,
+    keys: Vec<DeploymentKey>,
+    known: &BTreeMap<String, Arc<Entry>>,
+) -> ServiceAccount {
+    let mut loser_names = Vec::new();
+    let state = match resolution {
+        Resolution::OutOfScope => SaState::OutOfScope,
+        Resolution::Invalid { policy, error } => SaState::Invalid {
+            policy: policy.name_any(),
+            reason: error.reason(),
+            message: error.to_string(),
+        },
+        Resolution::InScope {
+            policy,
+            entry,
+            losers,
+        } => {
+            for loser in losers {
+                loser_names.push(loser.name_any());
+                desired
+                    .conflicts
+                    .entry(loser.name_any())
+                    .or_default()
+                    .extend(keys.iter().cloned());
+            }
+            let entry = match known.get(&entry.id) {
+                Some(stored) if stored.renders_as(&entry) => stored.clone(),
+                _ => Arc::new(entry.shrunk()),
+            };
+            SaState::Needs {
+                policy: policy.name_any(),
+                entry,
+            }
+        }
+    };
+    ServiceAccount {
+        state,
+        deployments: keys,
+        losers: loser_names,
+    }
 }
 
 /// Two service accounts must never get one SPIFFE ID (possible only across policies with

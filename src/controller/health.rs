@@ -2,42 +2,12 @@
 //! SPIRE fails, a drift check at rest (paced by what the count costs, `pace`). A mismatch
 //! forces a re-list; failures start the clock after which the leader steps down.
 
-use super::leading::Controller;
-use super::pace::DRIFT_CHECK_INTERVAL;
 use super::pace::drift_check_interval;
+use super::state::Controller;
 use super::view::Drift;
 use crate::spire::EntryApi;
 use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
-
-/// What the leader knows of SPIRE's health.
-#[derive(Debug)]
-pub struct SpireHealth {
-    /// Since when SPIRE calls fail as a whole (unset once one succeeds).
-    failing_since: Option<Instant>,
-    /// Until the next drift check: longer when SPIRE's count of our entries is slow.
-    pub drift_every: Duration,
-}
-
-impl Default for SpireHealth {
-    fn default() -> Self {
-        Self {
-            failing_since: None,
-            drift_every: DRIFT_CHECK_INTERVAL,
-        }
-    }
-}
-
-impl SpireHealth {
-    pub fn failing(&self) -> bool {
-        self.failing_since.is_some()
-    }
-
-    /// How long SPIRE calls have failed as a whole, if they do.
-    pub fn failing_for(&self) -> Option<Duration> {
-        self.failing_since.map(|since| since.elapsed())
-    }
-}
 
 /// What a probe while SPIRE failed found.
 pub enum Probed {

@@ -1,4 +1,4 @@
-//! The loop: the controller's state, leadership terms, and what each wake-up leads to.
+//! The loop: leadership terms, and what each wake-up leads to.
 //!
 //! ```text
 //! term starts ─▶ wait for a wake: watch events (debounced) · a due sync · a drift check
@@ -6,51 +6,17 @@
 //!             ─▶ sync (`sync`) ─▶ next sync time (`pace`) ─▶ step down if SPIRE is unusable
 //! ```
 
-use super::decide::{DecideSettings, Memory};
-use super::health::{Probed, SpireHealth};
-use super::metrics::ControllerMetrics;
-use super::pace::{Next, PROBE_INTERVAL, Pace};
-use super::policy_effects::PolicyEffects;
-use super::view::SpireView;
-use crate::index::Index;
+use super::decide::Memory;
+use super::health::Probed;
+use super::pace::{Next, PROBE_INTERVAL};
+use super::state::Controller;
 use crate::leader::{Leadership, Term};
-use crate::policy::OptIn;
-use crate::spire::{EntryApi, Ownership};
-use kube::Client;
+use crate::spire::EntryApi;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, error, info, warn};
-
-#[derive(Clone, Debug)]
-pub struct ControllerSettings {
-    pub ownership: Ownership,
-    pub opt_in: OptIn,
-    pub resync_interval: Duration,
-    /// How long to let a burst of watch events accumulate before syncing.
-    pub debounce: Duration,
-    pub replica_id: String,
-    pub decide: DecideSettings,
-    /// A leader whose SPIRE calls all fail for this long steps down.
-    pub spire_unusable_after: Duration,
-}
-
-/// The leader's controller. Every replica holds one; only a leadership term lets it write.
-pub struct Controller<A: EntryApi> {
-    pub(super) api: Arc<A>,
-    pub(super) index: Index,
-    pub(super) settings: ControllerSettings,
-    pub(super) metrics: ControllerMetrics,
-    /// Our entries in SPIRE, as last listed and kept current from our own writes.
-    pub(super) view: SpireView,
-    /// What decisions remember between syncs.
-    pub(super) memory: Memory,
-    /// The Kubernetes side: client, Events, the operator's confirmation.
-    pub(super) effects: PolicyEffects,
-    pub(super) health: SpireHealth,
-    pub(super) pace: Pace,
-}
 
 /// Why the leader woke.
 enum Wake {
@@ -69,27 +35,6 @@ fn unix_now() -> f64 {
 }
 
 impl<A: EntryApi> Controller<A> {
-    pub fn new(
-        api: Arc<A>,
-        client: Client,
-        index: Index,
-        settings: ControllerSettings,
-        metrics: ControllerMetrics,
-    ) -> Self {
-        let effects = PolicyEffects::new(client, &settings.replica_id, &metrics);
-        Self {
-            api,
-            index,
-            settings,
-            metrics,
-            view: SpireView::default(),
-            memory: Memory::default(),
-            effects,
-            health: SpireHealth::default(),
-            pace: Pace::default(),
-        }
-    }
-
     /// Runs until `shutdown`. Syncs only within a leadership term, and every sync runs under
     /// the term's guard: when the term ends (renew deadline, step-down, shutdown), whatever is
     /// in flight is cancelled and nothing more is written.

@@ -11,7 +11,7 @@
 //!
 //! Pure: `desired`, `decide`, `status`, `policy_notes`, `pace`. Carrying plans out: `view`
 //! (SPIRE), `record`, `writer`, `events`, `policy_effects` (Kubernetes). Wiring, one job a
-//! file: `leading` (the loop), `health` (probes, drift), `sync` (one sync), `apply` (a plan's
+//! file: `state` (what the leader holds), `leading` (the loop), `health` (probes, drift), `sync` (one sync), `apply` (a plan's
 //! SPIRE writes), `preview` (`spiffe-registrar plan`).
 
 mod apply;
@@ -27,10 +27,11 @@ mod policy_effects;
 pub mod policy_notes;
 mod preview;
 pub mod record;
+mod state;
 pub mod status;
 mod sync;
 pub mod view;
 pub mod writer;
 
-pub use leading::{Controller, ControllerSettings};
 pub use preview::preview;
+pub use state::{Controller, ControllerSettings};

@@ -6,8 +6,7 @@ use super::desired::Desired;
 use crate::names::{CONFIRM_DELETIONS_ANNOTATION, CRD_NAME};
 use std::collections::HashMap;
 
-/// How an operator confirms the deletions the brake holds (docs/operations.md, "Deletion
-/// brake").
+/// How an operator confirms the deletions the brake holds (docs/policy.md, "Deletion brake").
 pub fn confirm_command(token: &str) -> String {
     format!("kubectl annotate crd {CRD_NAME} {CONFIRM_DELETIONS_ANNOTATION}={token} --overwrite")
 }

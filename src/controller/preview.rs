@@ -3,8 +3,8 @@
 
 use super::decide::{SpirePlan, Why};
 use super::desired::Desired;
-use super::leading::ControllerSettings;
 use super::policy_notes::confirm_command;
+use super::state::ControllerSettings;
 use super::sync::fresh_plan;
 use super::view::SpireView;
 use crate::index::Index;

@@ -12,10 +12,10 @@
 use super::decide::{self, Memory, Observed, SpirePlan};
 use super::desired::{self, Desired, SaState};
 use super::failpoint::failpoint;
-use super::leading::{Controller, ControllerSettings};
 use super::pace::{Derived, Next};
 use super::policy_notes::policy_events;
 use super::record;
+use super::state::{Controller, ControllerSettings};
 use super::status::{self, Outcome};
 use super::view::ApplyReport;
 use crate::index::{Index, NamespaceInfo};

@@ -8,7 +8,7 @@
 use super::deployment::WatchedDeployment;
 use super::wire::{self, ApiStatus, WireError};
 use bytes::{Bytes, BytesMut};
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use http::{Request, StatusCode, header};
 use http_body_util::BodyExt;
 use kube::Client;
@@ -52,103 +52,139 @@ pub fn deployments(client: Client, page: u32) -> impl Stream<Item = DeploymentEv
         let mut backoff = Backoff::default();
         let mut resource_version: Option<String> = None;
         loop {
-            let Some(version) = resource_version.take() else {
-                // A list, from its first page.
-                yield Ok(Event::Init);
-                let mut token = String::new();
-                loop {
-                    match list_page(&client, page, &token).await {
-                        Ok(listed) => {
-                            for object in listed.items {
-                                yield Ok(Event::InitApply(object));
-                            }
-                            if listed.continue_token.is_empty() {
-                                resource_version = Some(listed.resource_version);
-                                break;
-                            }
-                            token = listed.continue_token;
-                        }
-                        Err(error) => {
-                            let expired = matches!(&error, WatchError::Api(status) if status.is_gone());
-                            yield Err(error);
-                            backoff.wait().await;
-                            if expired {
-                                // The continue token outlived the apiserver's history: the pages
-                                // read so far may no longer be one snapshot.
-                                yield Ok(Event::Init);
-                                token.clear();
-                            }
-                        }
-                    }
-                }
-                backoff.reset();
-                yield Ok(Event::InitDone);
-                continue;
+            let steps = match resource_version.take() {
+                None => list(&client, page, &mut backoff).boxed(),
+                Some(version) => watch(&client, version, &mut backoff).boxed(),
             };
+            for await step in steps {
+                match step {
+                    Step::Yield(event) => yield event,
+                    Step::ResumeAt(version) => resource_version = Some(version),
+                }
+            }
+        }
+    }
+}
 
-            let body = match start_watch(&client, &version).await {
-                Ok(body) => body,
-                Err(WatchError::Api(status)) if status.is_gone() => continue,
+/// What a list or a watch tells the loop: an event to pass on, or where the next watch
+/// starts. A list or watch that ends without `ResumeAt` is followed by a fresh list.
+// Most steps are events, passed on as the stream yields them: boxing them would cost an
+// allocation per event to save a few bytes on the rare `ResumeAt`.
+#[allow(clippy::large_enum_variant)]
+enum Step {
+    Yield(DeploymentEvent),
+    ResumeAt(String),
+}
+
+/// A list, from its first page, as `Init`, `InitApply`.., `InitDone`.
+fn list<'a>(
+    client: &'a Client,
+    page: u32,
+    backoff: &'a mut Backoff,
+) -> impl Stream<Item = Step> + Send + 'a {
+    async_stream::stream! {
+        yield Step::Yield(Ok(Event::Init));
+        let mut token = String::new();
+        loop {
+            match list_page(client, page, &token).await {
+                Ok(listed) => {
+                    for object in listed.items {
+                        yield Step::Yield(Ok(Event::InitApply(object)));
+                    }
+                    if listed.continue_token.is_empty() {
+                        yield Step::ResumeAt(listed.resource_version);
+                        break;
+                    }
+                    token = listed.continue_token;
+                }
                 Err(error) => {
-                    yield Err(error);
+                    let expired = matches!(&error, WatchError::Api(status) if status.is_gone());
+                    yield Step::Yield(Err(error));
                     backoff.wait().await;
-                    resource_version = Some(version);
-                    continue;
+                    if expired {
+                        // The continue token outlived the apiserver's history: the pages
+                        // read so far may no longer be one snapshot.
+                        yield Step::Yield(Ok(Event::Init));
+                        token.clear();
+                    }
+                }
+            }
+        }
+        backoff.reset();
+        yield Step::Yield(Ok(Event::InitDone));
+    }
+}
+
+/// A watch from `version` until it ends, fails or is gone.
+fn watch<'a>(
+    client: &'a Client,
+    version: String,
+    backoff: &'a mut Backoff,
+) -> impl Stream<Item = Step> + Send + 'a {
+    async_stream::stream! {
+        let body = match start_watch(client, &version).await {
+            Ok(body) => body,
+            // Gone: no resume point, the loop lists again.
+            Err(WatchError::Api(status)) if status.is_gone() => return,
+            Err(error) => {
+                yield Step::Yield(Err(error));
+                backoff.wait().await;
+                yield Step::ResumeAt(version);
+                return;
+            }
+        };
+        let mut frames = Frames::new(body);
+        let mut version = version;
+        let watching_since = tokio::time::Instant::now();
+        loop {
+            let frame = match tokio::time::timeout(WATCH_IDLE, frames.next()).await {
+                Ok(Ok(Some(frame))) => frame,
+                // Ended by the apiserver (timeout) or silent for too long: resume.
+                Ok(Ok(None)) | Err(_) => {
+                    if watching_since.elapsed() < SHORT_WATCH {
+                        // Something between us and the apiserver (a proxy, a load
+                        // balancer) closes watches at once: no tight reconnect loop.
+                        backoff.wait().await;
+                    }
+                    yield Step::ResumeAt(version);
+                    break;
+                }
+                Ok(Err(error)) => {
+                    yield Step::Yield(Err(error));
+                    backoff.wait().await;
+                    yield Step::ResumeAt(version);
+                    break;
                 }
             };
-            let mut frames = Frames::new(body);
-            let mut version = version;
-            let watching_since = tokio::time::Instant::now();
-            loop {
-                let frame = match tokio::time::timeout(WATCH_IDLE, frames.next()).await {
-                    Ok(Ok(Some(frame))) => frame,
-                    // Ended by the apiserver (timeout) or silent for too long: resume.
-                    Ok(Ok(None)) | Err(_) => {
-                        if watching_since.elapsed() < SHORT_WATCH {
-                            // Something between us and the apiserver (a proxy, a load
-                            // balancer) closes watches at once: no tight reconnect loop.
-                            backoff.wait().await;
-                        }
-                        resource_version = Some(version);
-                        break;
+            match wire::decode_event(frame) {
+                Ok(wire::Event::Applied(object)) => {
+                    version = object.metadata.resource_version.clone().unwrap_or(version);
+                    backoff.reset();
+                    yield Step::Yield(Ok(Event::Apply(object)));
+                }
+                Ok(wire::Event::Deleted(object)) => {
+                    version = object.metadata.resource_version.clone().unwrap_or(version);
+                    backoff.reset();
+                    yield Step::Yield(Ok(Event::Delete(object)));
+                }
+                Ok(wire::Event::Bookmark(at)) => {
+                    if !at.is_empty() {
+                        version = at;
                     }
-                    Ok(Err(error)) => {
-                        yield Err(error);
-                        backoff.wait().await;
-                        resource_version = Some(version);
-                        break;
-                    }
-                };
-                match wire::decode_event(frame) {
-                    Ok(wire::Event::Applied(object)) => {
-                        version = object.metadata.resource_version.clone().unwrap_or(version);
-                        backoff.reset();
-                        yield Ok(Event::Apply(object));
-                    }
-                    Ok(wire::Event::Deleted(object)) => {
-                        version = object.metadata.resource_version.clone().unwrap_or(version);
-                        backoff.reset();
-                        yield Ok(Event::Delete(object));
-                    }
-                    Ok(wire::Event::Bookmark(at)) => {
-                        if !at.is_empty() {
-                            version = at;
-                        }
-                    }
-                    // Gone: `resource_version` stays None, the loop lists again.
-                    Ok(wire::Event::Failed(status)) if status.is_gone() => break,
-                    Ok(wire::Event::Failed(status)) => {
-                        yield Err(WatchError::Api(status));
-                        backoff.wait().await;
-                        resource_version = Some(version);
-                        break;
-                    }
-                    Err(error) => {
-                        // One undecodable event would otherwise be lost for good: list again.
-                        yield Err(error.into());
-                        backoff.wait().await;
-                        break;
-                    }
+                }
+                // Gone: no resume point, the loop lists again.
+                Ok(wire::Event::Failed(status)) if status.is_gone() => break,
+                Ok(wire::Event::Failed(status)) => {
+                    yield Step::Yield(Err(WatchError::Api(status)));
+                    backoff.wait().await;
+                    yield Step::ResumeAt(version);
+                    break;
+                }
+                Err(error) => {
+                    // One undecodable event would otherwise be lost for good: list again.
+                    yield Step::Yield(Err(error.into()));
+                    backoff.wait().await;
+                    break;
                 }
             }
         }

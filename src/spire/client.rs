@@ -17,7 +17,7 @@ use tonic::transport::Channel;
 use tracing::Instrument;
 use tracing::{debug, warn};
 
-/// Sizes and limits. Defaults follow the throughput benchmark (README, "Benchmarks").
+/// Sizes and limits. Defaults follow the throughput benchmark (docs/benchmarks.md).
 #[derive(Clone, Debug)]
 pub struct ClientSettings {
     pub create_batch: usize,

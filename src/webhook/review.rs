@@ -1,7 +1,7 @@
 //! AdmissionReview in, AdmissionReview out. Decides from the in-memory view only (no API call
 //! on the request path), so dry-run requests are answered exactly like real ones.
 
-use super::patch::{guard_entry_id, stamp};
+use super::patch::{EntryIdFix, guard_entry_id, stamp};
 use crate::index::PolicyView;
 use crate::index::deployment::WatchedDeployment;
 use crate::names::{ENTRY_ID_ANNOTATION, SPIFFE_ID_ANNOTATION};
@@ -189,21 +189,14 @@ fn decide(
         view.ownership(),
     );
     let entry = resolution.entry();
-    // `entry-id` is ours to write: a user may remove it, or set the one value policy computes,
-    // but never point it at another entry (it pins nothing anyway: see controller::decide).
-    let old_entry_id = request
-        .old_object
-        .as_ref()
-        .and_then(|old| old.metadata.annotations.as_ref()?.get(ENTRY_ID_ANNOTATION))
-        .cloned();
-    let computed = entry.map(|e| e.id.as_str());
-    let by_registrar =
-        registrar_user.is_some_and(|me| request.user_info.username.as_deref() == Some(me));
     let mut warnings = Vec::new();
     let mut ops = Vec::new();
-    if !by_registrar
-        && let Some(fix) = guard_entry_id(&deployment.metadata, old_entry_id.as_deref(), computed)
-    {
+    if let Some(fix) = entry_id_fix(
+        request,
+        deployment,
+        entry.map(|e| e.id.as_str()),
+        registrar_user,
+    ) {
         warnings.push(fix.warning);
         ops.push(fix.operation);
     }
@@ -218,17 +211,45 @@ fn decide(
     if ops.is_empty() {
         return (Outcome::Unchanged, ops, Vec::new());
     }
+    warnings.extend(replaced_spiffe_id(deployment, &entry.spiffe_id));
+    tracing::debug!(namespace = %namespace, deployment = %request.name, spiffe_id = %entry.spiffe_id, dry_run = request.dry_run, "stamping Deployment");
+    (Outcome::Patched, ops, warnings)
+}
+
+/// `entry-id` is ours to write: a user may remove it, or set the one value policy computes,
+/// but never point it at another entry (it pins nothing anyway: see controller::decide). The
+/// registrar's own writes pass.
+fn entry_id_fix(
+    request: &LeanRequest,
+    deployment: &WatchedDeployment,
+    computed: Option<&str>,
+    registrar_user: Option<&str>,
+) -> Option<EntryIdFix> {
+    let by_registrar =
+        registrar_user.is_some_and(|me| request.user_info.username.as_deref() == Some(me));
+    if by_registrar {
+        return None;
+    }
+    let old_entry_id = request
+        .old_object
+        .as_ref()
+        .and_then(|old| old.metadata.annotations.as_ref()?.get(ENTRY_ID_ANNOTATION));
+    guard_entry_id(
+        &deployment.metadata,
+        old_entry_id.map(String::as_str),
+        computed,
+    )
+}
+
+/// The warning for a user-written `spiffe-id` that policy overrides.
+fn replaced_spiffe_id(deployment: &WatchedDeployment, spiffe_id: &str) -> Option<String> {
     let user_value = deployment
         .metadata
         .annotations
         .as_ref()
-        .and_then(|a| a.get(SPIFFE_ID_ANNOTATION));
-    if let Some(user_value) = user_value.filter(|v| **v != entry.spiffe_id) {
-        warnings.push(format!(
-            "{SPIFFE_ID_ANNOTATION} is set from policy; replaced {user_value:?} with {:?}",
-            entry.spiffe_id
-        ));
-    }
-    tracing::debug!(namespace = %namespace, deployment = %request.name, spiffe_id = %entry.spiffe_id, dry_run = request.dry_run, "stamping Deployment");
-    (Outcome::Patched, ops, warnings)
+        .and_then(|a| a.get(SPIFFE_ID_ANNOTATION))
+        .filter(|v| **v != spiffe_id)?;
+    Some(format!(
+        "{SPIFFE_ID_ANNOTATION} is set from policy; replaced {user_value:?} with {spiffe_id:?}"
+    ))
 }

@@ -1,5 +1,5 @@
 //! The scale benchmark (issue 11), shared by `cargo run --release --example scale` (the
-//! numbers in the README) and a small-N test (so it cannot rot).
+//! numbers in docs/benchmarks.md) and a small-N test (so it cannot rot).
 //!
 //! Realistic Deployments (kubectl's `last-applied-configuration`, ~4 KB each, two per service
 //! account, 50 namespaces) exist first, under kube-controller-manager; then the registrar
@@ -42,7 +42,7 @@ const WAIT: Duration = Duration::from_secs(3600);
 #[derive(Clone, Debug)]
 pub struct Config {
     pub deployments: usize,
-    /// How long to count SPIRE calls at rest (the README's figure uses 300 s).
+    /// How long to count SPIRE calls at rest (docs/benchmarks.md's figures use 300 s).
     pub rest: Duration,
     pub datastore: Datastore,
     /// The registrar's writer queue bound (`SPIFFE_REGISTRAR_WRITE_QUEUE_BOUND`); `None` keeps
