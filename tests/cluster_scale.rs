@@ -5,11 +5,9 @@
 
 mod common;
 
-use common::Stack;
 use common::k8s::{deployment, eventually};
-use common::paths::free_port;
-use common::registrar::{Options, Registrar};
-use common::world::{HOME, Scenario, WEBHOOK_CONFIG, prepare};
+use common::registrar::Registrar;
+use common::world::{InSuite, Scenario, Suite, flags, options};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Namespace;
@@ -23,42 +21,25 @@ use std::time::Duration;
 const DEPLOYMENTS: usize = 2_000;
 const SETTLE: Duration = Duration::from_secs(300);
 
-struct Env {
-    stack: &'static Stack,
-    registrar: Registrar,
-    /// One scenario at a time: each puts 2,000 Deployments (and kube-controller-manager's
-    /// 4,000 ReplicaSets and Pods) on two cores.
-    turn: tokio::sync::Mutex<()>,
-}
+static SUITE: OnceLock<Suite> = OnceLock::new();
+/// One scenario at a time: each puts 2,000 Deployments (and kube-controller-manager's 4,000
+/// ReplicaSets and Pods) on two cores.
+static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn env() -> &'static Env {
-    static ENV: OnceLock<Env> = OnceLock::new();
-    tokio::task::block_in_place(|| {
-        ENV.get_or_init(|| {
-            let stack = Stack::shared();
-            let port = free_port();
-            prepare(&stack.kube, port);
-            let options = Options {
-                namespace: HOME,
-                webhook_configuration: WEBHOOK_CONFIG,
-                cluster_name: "scale",
-                name: "registrar",
-                extra_args: vec!["--spire-rps=0".into(), "--resync-interval=10m".into()],
-                // A writer queue far below the fleet, so registering it takes the hand-over
-                // a cold start of 50,000 takes (writes handed to the writer as it drains).
-                extra_env: vec![
-                    ("RUST_LOG".into(), "info".into()),
-                    ("SPIFFE_REGISTRAR_WRITE_QUEUE_BOUND".into(), "16".into()),
-                ],
-            };
-            let registrar = Registrar::start_on(stack, port, options);
-            stack.track(registrar.process.pgid());
-            Env {
-                stack,
-                registrar,
-                turn: tokio::sync::Mutex::new(()),
-            }
-        })
+fn suite() -> InSuite {
+    Suite::get(&SUITE, || {
+        let mut options = options(
+            "scale",
+            "registrar",
+            flags(&["--spire-rps=0", "--resync-interval=10m"], &[]),
+        );
+        // A writer queue far below the fleet, so registering it takes the hand-over a cold
+        // start of 50,000 takes (writes handed to the writer as it drains).
+        options.extra_env = vec![
+            ("RUST_LOG".into(), "info".into()),
+            ("SPIFFE_REGISTRAR_WRITE_QUEUE_BOUND".into(), "16".into()),
+        ];
+        options
     })
 }
 
@@ -142,10 +123,10 @@ fn spire_writes(registrar: &Registrar) -> f64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rollout_of_2000_deployments_costs_no_spire_write_and_almost_no_sync() {
-    let env = env();
-    let _turn = env.turn.lock().await;
-    let _logs = env.stack.logs_on_panic();
-    let s = Scenario::new(&env.stack.kube).await;
+    let bed = suite();
+    let _turn = TURN.lock().await;
+    let _logs = bed.stack.logs_on_panic();
+    let s = Scenario::new(&bed.stack.kube).await;
     let policy = s.policy("p", s.spec("p")).await;
     let mut namespaces = Vec::new();
     for _ in 0..10 {
@@ -153,7 +134,7 @@ async fn a_rollout_of_2000_deployments_costs_no_spire_write_and_almost_no_sync()
     }
     registered_fleet(&s, &namespaces).await;
     observed(&s, &namespaces).await;
-    let (syncs, writes) = (env.registrar.syncs(), spire_writes(&env.registrar));
+    let (syncs, writes) = (bed.registrar.syncs(), spire_writes(&bed.registrar));
 
     // A rollout: a new pod template for every Deployment. kube-controller-manager creates a
     // ReplicaSet each and rewrites every status several times.
@@ -175,15 +156,15 @@ async fn a_rollout_of_2000_deployments_costs_no_spire_write_and_almost_no_sync()
         })
         .await;
     observed(&s, &namespaces).await;
-    let churn_syncs = env.registrar.syncs() - syncs;
+    let churn_syncs = bed.registrar.syncs() - syncs;
     eprintln!(
         "SCALE rollout of {DEPLOYMENTS}: {churn_syncs} syncs, SPIRE writes +{}",
-        spire_writes(&env.registrar) - writes
+        spire_writes(&bed.registrar) - writes
     );
     assert!(churn_syncs < 5.0, "{churn_syncs} syncs from status churn");
-    assert_eq!(spire_writes(&env.registrar), writes, "no SPIRE write");
+    assert_eq!(spire_writes(&bed.registrar), writes, "no SPIRE write");
 
-    new_deployments_derive_only_their_service_accounts(env, &s, &policy, &namespaces).await;
+    new_deployments_derive_only_their_service_accounts(&bed, &s, &policy, &namespaces).await;
 }
 
 /// Syncs by what they derived (`full` or `changed`).
@@ -195,7 +176,7 @@ fn syncs_deriving(registrar: &Registrar, derive: &str) -> f64 {
 /// their 50 service accounts alone, no existing entry disappears meanwhile (sampled from
 /// SPIRE), and the full sync owed afterwards brings the policy's counts up to date.
 async fn new_deployments_derive_only_their_service_accounts(
-    env: &Env,
+    bed: &Suite,
     s: &Scenario,
     policy: &str,
     namespaces: &[String],
@@ -203,15 +184,15 @@ async fn new_deployments_derive_only_their_service_accounts(
     const NEW: usize = 100;
     let parent = s.parent("p");
     let entries = || {
-        env.stack
+        bed.stack
             .spire_server
             .entries(&["-parentID", &parent])
             .len()
     };
     assert_eq!(entries(), DEPLOYMENTS / 2);
     let (full, changed) = (
-        syncs_deriving(&env.registrar, "full"),
-        syncs_deriving(&env.registrar, "changed"),
+        syncs_deriving(&bed.registrar, "full"),
+        syncs_deriving(&bed.registrar, "changed"),
     );
     create_pairs(s, namespaces, "new", NEW).await;
     eventually("the new Deployments registered", SETTLE, || async {
@@ -242,8 +223,8 @@ async fn new_deployments_derive_only_their_service_accounts(
             .then_some(())
     })
     .await;
-    let full = syncs_deriving(&env.registrar, "full") - full;
-    let changed = syncs_deriving(&env.registrar, "changed") - changed;
+    let full = syncs_deriving(&bed.registrar, "full") - full;
+    let changed = syncs_deriving(&bed.registrar, "changed") - changed;
     eprintln!("SCALE {NEW} new Deployments: {changed} syncs of changed accounts, {full} full");
     assert!(changed >= 1.0, "no sync derived the changed accounts alone");
     assert!(
@@ -259,16 +240,16 @@ async fn new_deployments_derive_only_their_service_accounts(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn deleting_a_namespace_of_2000_deployments_leaves_no_entry_and_nothing_stuck() {
-    let env = env();
-    let _turn = env.turn.lock().await;
-    let _logs = env.stack.logs_on_panic();
-    let s = Scenario::new(&env.stack.kube).await;
+    let bed = suite();
+    let _turn = TURN.lock().await;
+    let _logs = bed.stack.logs_on_panic();
+    let s = Scenario::new(&bed.stack.kube).await;
     s.policy("p", s.spec("p")).await;
     let ns = s.namespace(true).await;
     registered_fleet(&s, std::slice::from_ref(&ns)).await;
     let selector = format!("k8s:ns:{ns}");
     assert_eq!(
-        env.stack
+        bed.stack
             .spire_server
             .entries(&["-selector", &selector])
             .len(),
@@ -287,7 +268,7 @@ async fn deleting_a_namespace_of_2000_deployments_leaves_no_entry_and_nothing_st
         if std::env::var_os("SCALE_DEBUG").is_some() {
             let deleting = list.items.iter().filter(|d| d.metadata.deletion_timestamp.is_some()).count();
             let finalized = list.items.iter().filter(|d| common::k8s::has_finalizer(d)).count();
-            let entries = env.stack.spire_server.entries(&["-selector", &selector]).len();
+            let entries = bed.stack.spire_server.entries(&["-selector", &selector]).len();
             eprintln!("t={:.1}s deployments={} deleting={deleting} with-finalizer={finalized} entries={entries}", started.elapsed().as_secs_f64(), list.items.len());
         }
         list.items.is_empty().then_some(())
@@ -304,7 +285,7 @@ async fn deleting_a_namespace_of_2000_deployments_leaves_no_entry_and_nothing_st
         started.elapsed().as_secs_f64()
     );
     if std::env::var_os("SCALE_DEBUG").is_some() {
-        let log = env.registrar.process.log_tail(100_000);
+        let log = bed.registrar.process.log_tail(100_000);
         for line in log
             .lines()
             .filter(|l| l.contains("applied SPIRE") || l.contains("patch failed"))
@@ -312,6 +293,6 @@ async fn deleting_a_namespace_of_2000_deployments_leaves_no_entry_and_nothing_st
             eprintln!("{line}");
         }
     }
-    let entries = env.stack.spire_server.entries(&["-selector", &selector]);
+    let entries = bed.stack.spire_server.entries(&["-selector", &selector]);
     assert!(entries.is_empty(), "{} entries left", entries.len());
 }

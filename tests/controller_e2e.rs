@@ -12,8 +12,8 @@ use common::k8s::{annotation, deployment, eventually, has_finalizer};
 use common::registrar::Registrar;
 use common::stack::Stack;
 use common::world::{
-    Scenario, TD, WAIT, entry_id, entry_id_of, flags, launch, lease_holder, options, own_plane,
-    shared_with, spiffe_id,
+    InSuite, Scenario, Suite, TD, WAIT, entry_id, entry_id_of, flags, launch, lease_holder,
+    options, own_plane, spiffe_id,
 };
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
@@ -34,20 +34,11 @@ const FLAGS: &[&str] = &[
     "--transition-grace=2s",
 ];
 
-struct Env {
-    stack: &'static Stack,
-    registrar: Registrar,
-}
+static SUITE: OnceLock<Suite> = OnceLock::new();
 
 /// The shared stack with CRD, webhook configuration and one registrar (cluster `e2e`).
-fn env() -> &'static Env {
-    static ENV: OnceLock<Env> = OnceLock::new();
-    tokio::task::block_in_place(|| {
-        ENV.get_or_init(|| {
-            let (stack, registrar) = shared_with(options("e2e", "registrar", flags(FLAGS, &[])));
-            Env { stack, registrar }
-        })
-    })
+fn suite() -> InSuite {
+    Suite::get(&SUITE, || options("e2e", "registrar", flags(FLAGS, &[])))
 }
 
 /// A registrar of cluster `cluster` on `stack` with the suite's flags and `env`.
@@ -91,13 +82,12 @@ async fn deployment_until(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn deployment_is_registered_with_policy_selectors_parent_and_ttl() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let (s, policy) = scenario(env.stack).await;
+    let bed = suite();
+    let (s, policy) = scenario(bed.stack).await;
     let ns = s.namespace(true).await;
     let recorded = s.registered(&ns, "web", "api").await;
 
-    let entries = env.stack.spire_server.entries_for(&spiffe_id(&ns, "api"));
+    let entries = bed.stack.spire_server.entries_for(&spiffe_id(&ns, "api"));
     assert_eq!(entries.len(), 1, "{entries:?}");
     let entry = &entries[0];
     assert_eq!(entry_id(entry), recorded);
@@ -141,40 +131,38 @@ async fn deployment_is_registered_with_policy_selectors_parent_and_ttl() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn shared_service_account_shares_one_refcounted_entry() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let (s, _) = scenario(env.stack).await;
+    let bed = suite();
+    let (s, _) = scenario(bed.stack).await;
     let ns = s.namespace(true).await;
     let one = s.registered(&ns, "one", "shared").await;
     let two = s.registered(&ns, "two", "shared").await;
     assert_eq!(one, two, "one entry for one service account");
     let id = spiffe_id(&ns, "shared");
-    assert_eq!(env.stack.spire_server.entries_for(&id).len(), 1);
+    assert_eq!(bed.stack.spire_server.entries_for(&id).len(), 1);
 
     s.delete_deployment(&ns, "one").await;
-    let left = env.stack.spire_server.entries_for(&id);
+    let left = bed.stack.spire_server.entries_for(&id);
     assert_eq!(left.len(), 1, "the sibling still needs the entry");
     assert_eq!(entry_id(&left[0]), one);
 
     s.delete_deployment(&ns, "two").await;
     assert!(
-        env.stack.spire_server.entries_for(&id).is_empty(),
+        bed.stack.spire_server.entries_for(&id).is_empty(),
         "the entry went with the last Deployment"
     );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn policy_ttl_change_updates_the_entry_in_place() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let (s, policy) = scenario(env.stack).await;
+    let bed = suite();
+    let (s, policy) = scenario(bed.stack).await;
     let ns = s.namespace(true).await;
     let before = s.registered(&ns, "web", "default").await;
     s.patch_policy(&policy, json!({ "spec": { "ttl": "15m", "jwtTtl": "5m" } }))
         .await;
     let id = spiffe_id(&ns, "default");
     let entry = eventually("the TTL update", WAIT, || async {
-        let entries = env.stack.spire_server.entries_for(&id);
+        let entries = bed.stack.spire_server.entries_for(&id);
         assert_eq!(
             entries.len(),
             1,
@@ -189,12 +177,11 @@ async fn policy_ttl_change_updates_the_entry_in_place() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn entry_deleted_by_hand_is_recreated_within_a_resync() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let (s, _) = scenario(env.stack).await;
+    let bed = suite();
+    let (s, _) = scenario(bed.stack).await;
     let ns = s.namespace(true).await;
     let recorded = s.registered(&ns, "web", "default").await;
-    let spire = &env.stack.spire_server;
+    let spire = &bed.stack.spire_server;
     spire.cli_ok(&["entry", "delete"], &["-entryID", &recorded]);
     let id = spiffe_id(&ns, "default");
     assert!(spire.entries_for(&id).is_empty());
@@ -210,9 +197,8 @@ async fn entry_deleted_by_hand_is_recreated_within_a_resync() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn namespace_label_removed_deletes_entries_and_releases_finalizers() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let (s, _) = scenario(env.stack).await;
+    let bed = suite();
+    let (s, _) = scenario(bed.stack).await;
     let ns = s.namespace(true).await;
     s.registered(&ns, "web", "default").await;
     let unlabel = json!({ "metadata": { "labels": { "spiffe.io/registrar": null } } });
@@ -220,7 +206,7 @@ async fn namespace_label_removed_deletes_entries_and_releases_finalizers() {
         .patch(&ns, &PatchParams::default(), &Patch::Merge(&unlabel))
         .await
         .expect("unlabel");
-    env.stack
+    bed.stack
         .spire_server
         .wait_none_for(&spiffe_id(&ns, "default"))
         .await;
@@ -240,16 +226,15 @@ async fn namespace_label_removed_deletes_entries_and_releases_finalizers() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn policy_deleted_deletes_entries_and_releases_finalizers() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let (s, policy) = scenario(env.stack).await;
+    let bed = suite();
+    let (s, policy) = scenario(bed.stack).await;
     let ns = s.namespace(true).await;
     s.registered(&ns, "web", "default").await;
     s.policies()
         .delete(&policy, &DeleteParams::default())
         .await
         .expect("policy delete");
-    env.stack
+    bed.stack
         .spire_server
         .wait_none_for(&spiffe_id(&ns, "default"))
         .await;
@@ -258,9 +243,8 @@ async fn policy_deleted_deletes_entries_and_releases_finalizers() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn without_the_webhook_the_controller_backfills_then_registers() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let (s, _) = scenario(env.stack).await;
+    let bed = suite();
+    let (s, _) = scenario(bed.stack).await;
     let ns = s.namespace(false).await;
     let api = s.deployments(&ns);
     let created = api
@@ -278,17 +262,16 @@ async fn without_the_webhook_the_controller_backfills_then_registers() {
         annotation(&stored, SPIFFE_ID_ANNOTATION),
         Some(spiffe_id(&ns, "api").as_str())
     );
-    let entries = env.stack.spire_server.entries_for(&spiffe_id(&ns, "api"));
+    let entries = bed.stack.spire_server.entries_for(&spiffe_id(&ns, "api"));
     assert_eq!(entry_id(&entries[0]), recorded);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn another_writers_entries_survive_every_gc() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let (s, _) = scenario(env.stack).await;
+    let bed = suite();
+    let (s, _) = scenario(bed.stack).await;
     let ns = s.namespace(true).await;
-    let spire = &env.stack.spire_server;
+    let spire = &bed.stack.spire_server;
     // Same parent and namespace as ours, no hint: one for another service account, and one
     // exactly equal to what our Deployment `clashing` needs, written first by someone else.
     let (theirs, clash) = (spiffe_id(&ns, "theirs"), spiffe_id(&ns, "clash"));
@@ -322,7 +305,7 @@ async fn another_writers_entries_survive_every_gc() {
     s.delete_deployment(&ns, "clashing").await;
 
     // Through two full resyncs (each a SPIRE list, then a completed sync), theirs never go.
-    let registrar = &env.registrar;
+    let registrar = &bed.registrar;
     for round in 1..=2 {
         let lists = registrar.spire_list_calls();
         let listed_at_sync = std::cell::Cell::new(None);
@@ -349,9 +332,8 @@ async fn another_writers_entries_survive_every_gc() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn invalid_policy_reports_a_condition_and_an_event_and_registers_nothing() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let s = Scenario::new(&env.stack.kube).await;
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
     // Passes the CRD's pattern, fails SPIFFE ID rules ('..' segment).
     let mut spec = s.spec("p");
     spec["parentID"] = format!("spiffe://{TD}/k8s/..").into();
@@ -371,7 +353,7 @@ async fn invalid_policy_reports_a_condition_and_an_event_and_registers_nothing()
     s.event("default", &policy, "InvalidParentID").await;
     s.event(&ns, "web", "RegistrationFailed").await;
     assert!(
-        env.stack
+        bed.stack
             .spire_server
             .entries_for(&spiffe_id(&ns, "default"))
             .is_empty()
@@ -504,9 +486,8 @@ async fn crash_between_create_and_annotate_leaves_no_duplicate() {
 // its finalizer); the orphaned entry is garbage-collected.
 #[tokio::test(flavor = "multi_thread")]
 async fn forcibly_removed_finalizer_orphans_are_garbage_collected() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let (s, _) = scenario(env.stack).await;
+    let bed = suite();
+    let (s, _) = scenario(bed.stack).await;
     let ns = s.namespace(true).await;
     let recorded = s.registered(&ns, "web", "default").await;
     let remove = json!([{ "op": "remove", "path": "/metadata/finalizers" }]);
@@ -516,7 +497,7 @@ async fn forcibly_removed_finalizer_orphans_are_garbage_collected() {
         .await
         .expect("finalizer removal");
     s.delete_deployment(&ns, "web").await;
-    let spire = &env.stack.spire_server;
+    let spire = &bed.stack.spire_server;
     spire.wait_none_for(&spiffe_id(&ns, "default")).await;
     assert!(spire.entries(&["-entryID", &recorded]).is_empty());
 }
@@ -524,17 +505,16 @@ async fn forcibly_removed_finalizer_orphans_are_garbage_collected() {
 // `spiffe-registrar plan` shows what a sync would do and changes nothing.
 #[tokio::test(flavor = "multi_thread")]
 async fn plan_prints_the_changes_and_writes_nothing() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let (s, _) = scenario(env.stack).await;
+    let bed = suite();
+    let (s, _) = scenario(bed.stack).await;
     let ns = s.namespace(true).await;
     s.registered(&ns, "web", "default").await;
     // A cluster name with no entries yet: everything in scope is a create.
-    let socket = format!("--spire-socket={}", env.stack.spire_server.socket.display());
+    let socket = format!("--spire-socket={}", bed.stack.spire_server.socket.display());
     let (ok, stdout, stderr) = tokio::task::block_in_place(|| {
         common::process::run(
             std::process::Command::new(common::registrar::binary())
-                .env("KUBECONFIG", &env.stack.kube.kubeconfig)
+                .env("KUBECONFIG", &bed.stack.kube.kubeconfig)
                 .args(["plan", "--cluster-name=e2e-plan", &socket]),
         )
     });
@@ -546,7 +526,7 @@ async fn plan_prints_the_changes_and_writes_nothing() {
             .any(|l| l.starts_with("create sreg.e2e-plan.") && l.ends_with(&wanted)),
         "{stdout}"
     );
-    let hinted = env
+    let hinted = bed
         .stack
         .spire_server
         .entries(&["-hint", "spiffe-registrar/e2e-plan"]);

@@ -1,4 +1,4 @@
-//! Leadership and bounded failure against the real kube-apiserver and spire-server (issue 12):
+//! Leadership and bounded failure against the real kube-apiserver and spire-server:
 //! a replica that is not sure it leads never writes, a leader that cannot use SPIRE hands
 //! over, SIGTERM is prompt, an outage ends within seconds of SPIRE's return, drift is
 //! repaired at rest, and a dead task takes the process down. Partitions are made with proxies

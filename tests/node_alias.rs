@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::k8s::eventually;
 use common::registrar::uninstall;
 use common::sampler::spire_client;
 use common::world::{HOME, Scenario, TD, WEBHOOK_CONFIG, launch, options, own_plane};
@@ -170,13 +171,12 @@ async fn the_alias_is_kept_repaired_and_moved_make_before_break() {
 
     // The last Deployment gone: its entry goes, then the alias.
     s.delete_deployment(&ns, "web").await;
-    tokio::time::timeout(Duration::from_secs(90), async {
-        while !ours(&socket).await.is_empty() {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    })
-    .await
-    .expect("nothing of ours is left in SPIRE");
+    eventually(
+        "nothing of ours is left in SPIRE",
+        Duration::from_secs(90),
+        || async { ours(&socket).await.is_empty().then_some(()) },
+    )
+    .await;
 
     // Registered again, then uninstalled with its entries: the alias goes too (last).
     s.registered(&ns, "again", "api").await;

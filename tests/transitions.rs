@@ -1,4 +1,4 @@
-//! Identity transitions against the real kube-apiserver and spire-server (issue 10): no edit,
+//! Identity transitions against the real kube-apiserver and spire-server: no edit,
 //! typo, forged annotation or cluster rename may revoke or double an identity. Each test
 //! samples SPIRE through the Entry API for the whole change (`common::sampler`) and asserts on
 //! that history, plus what the apiserver shows (status, Events) and the registrar's metrics.
@@ -11,10 +11,12 @@ mod common;
 use common::k8s::{annotation, deployment, eventually, has_finalizer};
 use common::kube_plane::KubePlane;
 use common::paths::free_port;
-use common::registrar::{Options, Registrar};
+use common::registrar::Registrar;
 use common::sampler::{Sa, Sampler, sa, spire_client};
 use common::stack::Stack;
-use common::world::{HOME, Scenario, TD, WAIT, WEBHOOK_CONFIG, entry_id_of, events, prepare};
+use common::world::{
+    InSuite, Scenario, Suite, TD, WAIT, entry_id_of, events, flags, options, prepare,
+};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
@@ -31,64 +33,25 @@ const SCOPE_LOSS_GRACE: Duration = Duration::from_secs(8);
 /// How far apart two samples of SPIRE may be (each sample is a few list calls).
 const SAMPLING_SLACK: Duration = Duration::from_millis(400);
 
-fn args(extra: &[&str]) -> Vec<String> {
-    let flag = |arg: &str| arg.split('=').next().unwrap_or_default().to_string();
-    let overridden: Vec<String> = extra.iter().map(|a| flag(a)).collect();
-    let mut args: Vec<String> = [
-        // Long: a resync forgets what SPIRE refused and asks once more, which two tests count.
-        "--resync-interval=10m",
-        // Fast failover; the renew deadline leaves the longest write (4 s) before expiry.
-        "--lease-duration=8s",
-        "--renew-deadline=3s",
-        "--lease-retry-period=1s",
-        "--spire-rps=0",
-        "--transition-grace=3s",
-        "--scope-loss-grace=8s",
-        "--deletion-brake-count=1000",
-    ]
-    .iter()
-    .filter(|a| !overridden.contains(&flag(a)))
-    .map(ToString::to_string)
-    .collect();
-    args.extend(extra.iter().map(ToString::to_string));
-    args
-}
+/// The suite's flags; a test's own flags override them.
+const FLAGS: &[&str] = &[
+    // Long: a resync forgets what SPIRE refused and asks once more, which two tests count.
+    "--resync-interval=10m",
+    // Fast failover; the renew deadline leaves the longest write (4 s) before expiry.
+    "--lease-duration=8s",
+    "--renew-deadline=3s",
+    "--lease-retry-period=1s",
+    "--spire-rps=0",
+    "--transition-grace=3s",
+    "--scope-loss-grace=8s",
+    "--deletion-brake-count=1000",
+];
 
-fn options<'a>(cluster: &'a str, name: &'a str, extra: &[&str]) -> Options<'a> {
-    Options {
-        namespace: HOME,
-        webhook_configuration: WEBHOOK_CONFIG,
-        cluster_name: cluster,
-        name,
-        extra_args: args(extra),
-        extra_env: vec![],
-    }
-}
-
-struct Env {
-    stack: &'static Stack,
-    registrar: Registrar,
-}
+static SUITE: OnceLock<Suite> = OnceLock::new();
 
 /// The shared stack with CRD, webhook configuration and one registrar.
-fn env() -> &'static Env {
-    static ENV: OnceLock<Env> = OnceLock::new();
-    tokio::task::block_in_place(|| {
-        ENV.get_or_init(|| {
-            let stack = Stack::shared();
-            let port = free_port();
-            prepare(&stack.kube, port);
-            let registrar = Registrar::start_on(stack, port, options("tr", "registrar", &[]));
-            stack.track(registrar.process.pgid());
-            Env { stack, registrar }
-        })
-    })
-}
-
-impl Env {
-    fn socket(&self) -> &Path {
-        &self.stack.spire_server.socket
-    }
+fn suite() -> InSuite {
+    Suite::get(&SUITE, || options("tr", "registrar", flags(FLAGS, &[])))
 }
 
 /// A stack of its own with CRD and webhook configuration, and a registrar with `extra` flags.
@@ -97,7 +60,11 @@ fn own_stack(cluster: &str, extra: &[&str]) -> (Stack, Registrar, u16) {
         let stack = Stack::start();
         let port = free_port();
         prepare(&stack.kube, port);
-        let registrar = Registrar::start_on(&stack, port, options(cluster, "registrar", extra));
+        let registrar = Registrar::start_on(
+            &stack,
+            port,
+            options(cluster, "registrar", flags(FLAGS, extra)),
+        );
         stack.track(registrar.process.pgid());
         (stack, registrar, port)
     })
@@ -163,19 +130,18 @@ fn cluster_of(entry_id: &str) -> &str {
 // Item 1: make-before-break on a parent change, with the cost in SPIRE calls.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_parent_change_creates_the_new_entry_before_deleting_the_old() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let s = Scenario::new(&env.stack.kube).await;
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
     let p = s.policy("p", s.spec("v1")).await;
     let ns = s.namespace(true).await;
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
-    let calls = env.registrar.spire_calls();
-    let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
+    let calls = bed.registrar.spire_calls();
+    let sampler = Sampler::start(bed.socket(), std::slice::from_ref(&who)).await;
 
     s.patch_policy(&p, json!({ "spec": { "parentID": s.parent("v2") } }))
         .await;
-    let new = spire_until(env.socket(), &who, "only the new entry", |e| {
+    let new = spire_until(bed.socket(), &who, "only the new entry", |e| {
         e.len() == 1 && e[0].id != first
     })
     .await;
@@ -201,22 +167,21 @@ async fn a_parent_change_creates_the_new_entry_before_deleting_the_old() {
     .await;
     assert!(recorded == first || recorded == second);
     assert_eq!(annotated, second);
-    report_calls(&env.registrar, calls, "policy parentID change");
+    report_calls(&bed.registrar, calls, "policy parentID change");
 }
 
 // Item 1: a replacement SPIRE rejects never costs the old entry, and is not resent.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rejected_replacement_keeps_the_old_entry_and_says_why() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let s = Scenario::new(&env.stack.kube).await;
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
     let p = s.policy("p", s.spec("v1")).await;
     let ns = s.namespace(true).await;
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
-    let rejected = env.registrar.metric("spire_entries_rejected_total", &[]);
-    let calls = env.registrar.spire_calls();
-    let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
+    let rejected = bed.registrar.metric("spire_entries_rejected_total", &[]);
+    let calls = bed.registrar.spire_calls();
+    let sampler = Sampler::start(bed.socket(), std::slice::from_ref(&who)).await;
 
     // A trust domain that is not the server's: the apiserver accepts it, SPIRE refuses.
     let patch = json!({ "spec": {
@@ -235,20 +200,20 @@ async fn a_rejected_replacement_keeps_the_old_entry_and_says_why() {
     );
     s.event("default", &p, "RegistrationRejected").await;
     s.event(&ns, "web", "RegistrationFailed").await;
-    let after = env.registrar.metric("spire_entries_rejected_total", &[]);
+    let after = bed.registrar.metric("spire_entries_rejected_total", &[]);
     assert!(after > rejected, "the metric counts the rejection");
     // Each refusal is counted, so an unchanged count means the create was not sent again
     // (other tests share this registrar, so its create counter is not ours alone).
-    several_syncs(&env.registrar, &s.deployments(&ns), "web").await;
+    several_syncs(&bed.registrar, &s.deployments(&ns), "web").await;
     assert_eq!(
-        env.registrar.metric("spire_entries_rejected_total", &[]),
+        bed.registrar.metric("spire_entries_rejected_total", &[]),
         after,
         "not resent on every sync"
     );
     let samples = sampler.stop().await;
     samples.report("rejected replacement", &who);
     report_calls(
-        &env.registrar,
+        &bed.registrar,
         calls,
         "rejected replacement (incl. 3 poked syncs)",
     );
@@ -259,24 +224,23 @@ async fn a_rejected_replacement_keeps_the_old_entry_and_says_why() {
 // Item 1: a service account change moves the Deployment to a new entry, make-before-break.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_service_account_change_is_make_before_break() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let s = Scenario::new(&env.stack.kube).await;
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
     s.policy("p", s.spec("v1")).await;
     let ns = s.namespace(true).await;
     let first = s.registered(&ns, "web", "one").await;
     let (one, two) = (sa(&ns, "one"), sa(&ns, "two"));
-    let calls = env.registrar.spire_calls();
-    let sampler = Sampler::start(env.socket(), &[one.clone(), two.clone()]).await;
+    let calls = bed.registrar.spire_calls();
+    let sampler = Sampler::start(bed.socket(), &[one.clone(), two.clone()]).await;
 
     let patch = json!({ "spec": { "template": { "spec": { "serviceAccountName": "two" } } } });
     s.deployments(&ns)
         .patch("web", &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .expect("patch");
-    let new = spire_until(env.socket(), &two, "the new entry", |e| e.len() == 1).await;
+    let new = spire_until(bed.socket(), &two, "the new entry", |e| e.len() == 1).await;
     spire_until(
-        env.socket(),
+        bed.socket(),
         &one,
         "the old entry gone",
         <[Entry]>::is_empty,
@@ -286,7 +250,7 @@ async fn a_service_account_change_is_make_before_break() {
 
     samples.report("service account change (old service account)", &one);
     samples.report("service account change (new service account)", &two);
-    report_calls(&env.registrar, calls, "service account change");
+    report_calls(&bed.registrar, calls, "service account change");
     samples.assert_always_one_of(&[one.clone(), two.clone()]);
     let (new_seen, _) = samples.seen(&two, &new[0].id).expect("new entry seen");
     let (_, old_last) = samples.seen(&one, &first).expect("old entry seen");
@@ -299,9 +263,8 @@ async fn a_service_account_change_is_make_before_break() {
 // Item 2: a typo fails at apply; an unrenderable policy holds what it had.
 #[tokio::test(flavor = "multi_thread")]
 async fn selector_typos_fail_at_apply_and_an_invalid_policy_holds_its_entries() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let s = Scenario::new(&env.stack.kube).await;
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
     for (expression, expect) in [
         (
             json!({ "key": "app", "operator": "Equal", "values": ["web"] }),
@@ -329,8 +292,8 @@ async fn selector_typos_fail_at_apply_and_an_invalid_policy_holds_its_entries() 
     let ns = s.namespace(true).await;
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
-    let calls = env.registrar.spire_calls();
-    let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
+    let calls = bed.registrar.spire_calls();
+    let sampler = Sampler::start(bed.socket(), std::slice::from_ref(&who)).await;
     // Passes the CRD's pattern, fails SPIFFE ID rules ('..' segment).
     let broken = format!("spiffe://{TD}/k8s/{}/..", s.tag);
     s.patch_policy(&p, json!({ "spec": { "parentID": broken } }))
@@ -343,11 +306,11 @@ async fn selector_typos_fail_at_apply_and_an_invalid_policy_holds_its_entries() 
     assert!(ready.message.contains("parentID"), "{}", ready.message);
     s.event("default", &p, "InvalidParentID").await;
     s.event(&ns, "web", "RegistrationFailed").await;
-    several_syncs(&env.registrar, &s.deployments(&ns), "web").await;
+    several_syncs(&bed.registrar, &s.deployments(&ns), "web").await;
     let samples = sampler.stop().await;
     samples.report("invalid policy (held)", &who);
     report_calls(
-        &env.registrar,
+        &bed.registrar,
         calls,
         "invalid policy (incl. 3 poked syncs)",
     );
@@ -380,21 +343,20 @@ async fn pending_deletions(s: &Scenario, policy: &str, want: u32) {
 // Item 3: scope loss waits for its grace; coming back costs nothing; deletion stays immediate.
 #[tokio::test(flavor = "multi_thread")]
 async fn scope_loss_waits_for_its_grace_and_coming_back_costs_nothing() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let s = Scenario::new(&env.stack.kube).await;
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
     let p = s.policy("p", s.spec("v1")).await;
     let ns = s.namespace(true).await;
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
-    let calls = env.registrar.spire_calls();
-    let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
+    let calls = bed.registrar.spire_calls();
+    let sampler = Sampler::start(bed.socket(), std::slice::from_ref(&who)).await;
 
     set_opt_in(&s, &ns, false).await;
     pending_deletions(&s, &p, 1).await;
     s.event(&ns, "web", "DeregistrationPending").await;
     assert!(
-        env.registrar
+        bed.registrar
             .metric("entry_deletions_pending", &[("reason", "scope_loss")])
             >= 1.0
     );
@@ -409,14 +371,14 @@ async fn scope_loss_waits_for_its_grace_and_coming_back_costs_nothing() {
     assert_eq!(samples.revisions(&who).len(), 1, "no churn at all");
     assert_eq!(samples.ids(&who), vec![first.clone()]);
     report_calls(
-        &env.registrar,
+        &bed.registrar,
         calls,
         "namespace label removed and restored",
     );
 
     let lost_at = Instant::now();
     set_opt_in(&s, &ns, false).await;
-    spire_until(env.socket(), &who, "the entry deleted", <[Entry]>::is_empty).await;
+    spire_until(bed.socket(), &who, "the entry deleted", <[Entry]>::is_empty).await;
     assert!(
         lost_at.elapsed() + Duration::from_millis(500) >= SCOPE_LOSS_GRACE,
         "deleted after {:?}, before the grace",
@@ -434,7 +396,7 @@ async fn scope_loss_waits_for_its_grace_and_coming_back_costs_nothing() {
     s.registered(&other, "web", "api").await;
     let deleted_at = Instant::now();
     s.delete_deployment(&other, "web").await;
-    assert!(entries(env.socket(), &sa(&other, "api")).await.is_empty());
+    assert!(entries(bed.socket(), &sa(&other, "api")).await.is_empty());
     assert!(
         deleted_at.elapsed() < SCOPE_LOSS_GRACE,
         "took {:?}",
@@ -537,9 +499,8 @@ async fn the_deletion_brake_holds_mass_scope_loss_until_an_operator_confirms() {
 // Item 4: one service account, one entry, whichever policies match its Deployments.
 #[tokio::test(flavor = "multi_thread")]
 async fn one_service_account_gets_one_entry_under_competing_policies() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let s = Scenario::new(&env.stack.kube).await;
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
     let mut for_web = s.spec("a");
     for_web["deploymentSelector"] = json!({ "matchLabels": { "app": "web" } });
     let mut for_cron = s.spec("b");
@@ -550,12 +511,12 @@ async fn one_service_account_gets_one_entry_under_competing_policies() {
     let ns = s.namespace(true).await;
     let first = s.registered(&ns, "web", "api").await;
     let who = sa(&ns, "api");
-    let calls = env.registrar.spire_calls();
-    let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
+    let calls = bed.registrar.spire_calls();
+    let sampler = Sampler::start(bed.socket(), std::slice::from_ref(&who)).await;
 
     s.registered(&ns, "cron", "api").await;
     let winner = spire_until(
-        env.socket(),
+        bed.socket(),
         &who,
         "one entry under the priority policy",
         |e| e.len() == 1 && e[0].parent_id == s.parent("b"),
@@ -568,7 +529,7 @@ async fn one_service_account_gets_one_entry_under_competing_policies() {
     let samples = sampler.stop().await;
     samples.report("a second policy takes the service account over", &who);
     report_calls(
-        &env.registrar,
+        &bed.registrar,
         calls,
         "a second policy takes the service account over",
     );
@@ -576,8 +537,8 @@ async fn one_service_account_gets_one_entry_under_competing_policies() {
     assert_eq!(samples.ids(&who), vec![first, winner[0].id.clone()]);
 
     // Settled: one entry, and nothing flaps between syncs.
-    let sampler = Sampler::start(env.socket(), std::slice::from_ref(&who)).await;
-    several_syncs(&env.registrar, &s.deployments(&ns), "web").await;
+    let sampler = Sampler::start(bed.socket(), std::slice::from_ref(&who)).await;
+    several_syncs(&bed.registrar, &s.deployments(&ns), "web").await;
     let samples = sampler.stop().await;
     assert_eq!(samples.doubled(&who), Duration::ZERO);
     assert_eq!(
@@ -589,8 +550,8 @@ async fn one_service_account_gets_one_entry_under_competing_policies() {
 // Item 5: templates where a tenant's name could reach into another's are refused.
 #[tokio::test(flavor = "multi_thread")]
 async fn templates_that_could_collide_or_inject_are_refused_at_apply() {
-    let env = env();
-    let s = Scenario::new(&env.stack.kube).await;
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
     for template in [
         "spiffe://{trustDomain}/{namespace}-{serviceAccount}",
         "spiffe://{trustDomain}/ns/{namespace}",
@@ -622,9 +583,8 @@ async fn templates_that_could_collide_or_inject_are_refused_at_apply() {
 // Item 6: a forged entry-id is undone by the webhook, corrected by the controller, pins nothing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_forged_entry_id_never_sticks_and_never_pins_another_teams_entry() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let s = Scenario::new(&env.stack.kube).await;
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
     s.policy("p", s.spec("v1")).await;
     let (team_a, team_b) = (s.namespace(true).await, s.namespace(true).await);
     let theirs = s.registered(&team_a, "web", "api").await;
@@ -658,7 +618,7 @@ async fn a_forged_entry_id_never_sticks_and_never_pins_another_teams_entry() {
     // Created with it: stripped.
     let mut forged = deployment("forged", Some("other"));
     forged.metadata.annotations = Some([(ENTRY_ID_ANNOTATION.to_string(), theirs.clone())].into());
-    let file = env.stack.dir().join(format!("{}.json", s.tag));
+    let file = bed.stack.dir().join(format!("{}.json", s.tag));
     std::fs::write(&file, serde_json::to_string(&forged).expect("json")).expect("write");
     let mut args = as_mallory.to_vec();
     let path = file.display().to_string();
@@ -679,7 +639,7 @@ async fn a_forged_entry_id_never_sticks_and_never_pins_another_teams_entry() {
         .create(&PostParams::default(), &copied)
         .await
         .expect("create");
-    let own = spire_until(env.socket(), &sa(&quiet, "api"), "its own entry", |e| {
+    let own = spire_until(bed.socket(), &sa(&quiet, "api"), "its own entry", |e| {
         e.len() == 1
     })
     .await;
@@ -689,7 +649,7 @@ async fn a_forged_entry_id_never_sticks_and_never_pins_another_teams_entry() {
     })
     .await;
     s.delete_deployment(&team_a, "web").await;
-    assert!(entries(env.socket(), &sa(&team_a, "api")).await.is_empty());
+    assert!(entries(bed.socket(), &sa(&team_a, "api")).await.is_empty());
 }
 
 // Item 7: two clusters with default names on one SPIRE server; then a rename migrates.
@@ -717,7 +677,12 @@ async fn clusters_sharing_spire_keep_apart_and_a_rename_migrates_in_place() {
                  name: &'static str,
                  extra: &[&str]| {
         let registrar = tokio::task::block_in_place(|| {
-            Registrar::start_full(&stack, port, kubeconfig, options(cluster, name, extra))
+            Registrar::start_full(
+                &stack,
+                port,
+                kubeconfig,
+                options(cluster, name, flags(FLAGS, extra)),
+            )
         });
         stack.track(registrar.process.pgid());
         registrar
@@ -855,7 +820,11 @@ async fn an_equivalent_foreign_entry_is_reported_once_then_adopted_on_opt_in() {
         Registrar::start_on(
             &stack,
             port,
-            options("adopt", "adopter", &["--adopt-equivalent-entries=true"]),
+            options(
+                "adopt",
+                "adopter",
+                flags(FLAGS, &["--adopt-equivalent-entries=true"]),
+            ),
         )
     });
     stack.track(registrar.process.pgid());
@@ -891,9 +860,8 @@ async fn an_equivalent_foreign_entry_is_reported_once_then_adopted_on_opt_in() {
 // Item 9: a policy is not Ready while one of its service accounts cannot render.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_policy_is_not_ready_while_one_of_its_service_accounts_fails() {
-    let env = env();
-    let _logs = env.stack.logs_on_panic();
-    let s = Scenario::new(&env.stack.kube).await;
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
     let mut spec = s.spec("p");
     spec["dnsNames"] = json!(["{serviceAccount}.svc"]);
     let p = s.policy("p", spec).await;
@@ -922,5 +890,5 @@ async fn a_policy_is_not_ready_while_one_of_its_service_accounts_fails() {
         .expect("status");
     assert_eq!((status.entries, status.failures), (1, 1));
     s.event(&ns, "dotted", "RegistrationFailed").await;
-    assert!(entries(env.socket(), &sa(&ns, "has.dots")).await.is_empty());
+    assert!(entries(bed.socket(), &sa(&ns, "has.dots")).await.is_empty());
 }

@@ -14,6 +14,7 @@ use common::k8s::{
 use common::kube_plane::client_for;
 use common::registrar::{Options, Registrar};
 use common::stack::unique;
+use common::world::{InSuite, Suite};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
@@ -30,42 +31,38 @@ const HOME: &str = "registrar-system";
 const SECRET: &str = "spiffe-registrar-webhook-tls";
 const TRUST_DOMAIN: &str = "example.org";
 
-struct Env {
-    stack: &'static Stack,
-    _registrar: Registrar,
+static SUITE: OnceLock<Suite> = OnceLock::new();
+
+/// The shared stack with the CRD, a policy, this suite's webhook configuration and one
+/// registrar serving the webhook only (the controller would release finalizers on its own).
+fn suite() -> InSuite {
+    Suite::get_prepared(&SUITE, prepare, || Options {
+        namespace: HOME,
+        webhook_configuration: CONFIG,
+        cluster_name: "webhook-e2e",
+        name: "registrar",
+        extra_args: vec![
+            "--serving-cert-validity=30s".into(),
+            "--controller=false".into(),
+        ],
+        extra_env: vec![],
+    })
 }
 
-fn env() -> &'static Env {
-    static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| {
-        let stack = Stack::shared();
-        let webhook_port = common::paths::free_port();
-        let kubeconfig = stack.kube.kubeconfig.clone();
-        Stack::block_on_fresh(async move {
-            let client = client_for(&kubeconfig).await;
-            install_crd(&client).await;
-            create_namespace(&client, HOME, false).await;
-            create_webhook_configuration(&client, CONFIG, webhook_port).await;
-            let policies: Api<SpiffeRegistration> = Api::all(client);
-            let spec = json!({ "trustDomain": TRUST_DOMAIN, "parentID": "spiffe://example.org/k8s/nodes", "ttl": "1h" });
-            policies.create(&PostParams::default(), &policy("webhook-e2e", spec)).await.expect("policy create");
-        });
-        let registrar = Registrar::start_on(
-            stack,
-            webhook_port,
-            Options {
-                namespace: HOME,
-                webhook_configuration: CONFIG,
-                cluster_name: "webhook-e2e",
-                name: "registrar",
-                // Webhook only: the controller would release finalizers on its own.
-                extra_args: vec!["--serving-cert-validity=30s".into(), "--controller=false".into()],
-                extra_env: vec![],
-            },
-        );
-        stack.track(registrar.process.pgid());
-        Env { stack, _registrar: registrar }
-    })
+fn prepare(stack: &Stack, webhook_port: u16) {
+    let kubeconfig = stack.kube.kubeconfig.clone();
+    Stack::block_on_fresh(async move {
+        let client = client_for(&kubeconfig).await;
+        install_crd(&client).await;
+        create_namespace(&client, HOME, false).await;
+        create_webhook_configuration(&client, CONFIG, webhook_port).await;
+        let policies: Api<SpiffeRegistration> = Api::all(client);
+        let spec = json!({ "trustDomain": TRUST_DOMAIN, "parentID": "spiffe://example.org/k8s/nodes", "ttl": "1h" });
+        policies
+            .create(&PostParams::default(), &policy("webhook-e2e", spec))
+            .await
+            .expect("policy create");
+    });
 }
 
 /// A namespace of the test's own, opted in or not, once the webhook is observed working there.
@@ -107,9 +104,9 @@ async fn webhook_live_in(client: &Client, namespace: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn labelled_namespace_gets_finalizer_and_policy_id() {
-    let env = tokio::task::block_in_place(env);
-    let _logs = env.stack.logs_on_panic();
-    let client = env.stack.kube.client().await;
+    let bed = suite();
+    let _logs = bed.stack.logs_on_panic();
+    let client = bed.stack.kube.client().await;
     let ns = namespace(&client, true).await;
     let api: Api<Deployment> = Api::namespaced(client, &ns);
     api.create(&PostParams::default(), &deployment("web", Some("api")))
@@ -125,9 +122,9 @@ async fn labelled_namespace_gets_finalizer_and_policy_id() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn unlabelled_namespace_is_untouched() {
-    let env = tokio::task::block_in_place(env);
-    let _logs = env.stack.logs_on_panic();
-    let client = env.stack.kube.client().await;
+    let bed = suite();
+    let _logs = bed.stack.logs_on_panic();
+    let client = bed.stack.kube.client().await;
     // Make sure the webhook is live before concluding anything from its absence.
     namespace(&client, true).await;
     let ns = namespace(&client, false).await;
@@ -142,9 +139,9 @@ async fn unlabelled_namespace_is_untouched() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn user_written_spiffe_id_is_replaced() {
-    let env = tokio::task::block_in_place(env);
-    let _logs = env.stack.logs_on_panic();
-    let client = env.stack.kube.client().await;
+    let bed = suite();
+    let _logs = bed.stack.logs_on_panic();
+    let client = bed.stack.kube.client().await;
     let ns = namespace(&client, true).await;
     let api: Api<Deployment> = Api::namespaced(client, &ns);
     let mut sneaky = deployment("web", Some("api"));
@@ -179,9 +176,9 @@ async fn user_written_spiffe_id_is_replaced() {
 /// the webhook can stamp a Deployment that was created before its namespace opted in.
 #[tokio::test(flavor = "multi_thread")]
 async fn only_updates_of_what_the_webhook_reads_reach_it() {
-    let env = tokio::task::block_in_place(env);
-    let _logs = env.stack.logs_on_panic();
-    let client = env.stack.kube.client().await;
+    let bed = suite();
+    let _logs = bed.stack.logs_on_panic();
+    let client = bed.stack.kube.client().await;
     let ns = namespace(&client, false).await;
     let api: Api<Deployment> = Api::namespaced(client.clone(), &ns);
     api.create(&PostParams::default(), &deployment("web", Some("api")))
@@ -233,7 +230,7 @@ async fn only_updates_of_what_the_webhook_reads_reach_it() {
     // reads, whatever else the UPDATE does: refused with a warning.
     let forged = json!({ "metadata": { "annotations": { ENTRY_ID_ANNOTATION: "someone-elses-entry" } }, "spec": { "replicas": 1 } }).to_string();
     let (ok, _, warned) = tokio::task::block_in_place(|| {
-        common::process::run(env.stack.kube.kubectl().args([
+        common::process::run(bed.stack.kube.kubectl().args([
             "--as=mallory",
             "--as-group=system:masters",
             "-n",
@@ -265,9 +262,9 @@ async fn only_updates_of_what_the_webhook_reads_reach_it() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn server_side_dry_run_returns_the_patched_object_and_persists_nothing() {
-    let env = tokio::task::block_in_place(env);
-    let _logs = env.stack.logs_on_panic();
-    let client = env.stack.kube.client().await;
+    let bed = suite();
+    let _logs = bed.stack.logs_on_panic();
+    let client = bed.stack.kube.client().await;
     let ns = namespace(&client, true).await;
     let api: Api<Deployment> = Api::namespaced(client, &ns);
     let answered = api
@@ -293,9 +290,9 @@ async fn server_side_dry_run_returns_the_patched_object_and_persists_nothing() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn finalizer_removal_during_deletion_is_not_undone() {
-    let env = tokio::task::block_in_place(env);
-    let _logs = env.stack.logs_on_panic();
-    let client = env.stack.kube.client().await;
+    let bed = suite();
+    let _logs = bed.stack.logs_on_panic();
+    let client = bed.stack.kube.client().await;
     let ns = namespace(&client, true).await;
     let api: Api<Deployment> = Api::namespaced(client, &ns);
     api.create(&PostParams::default(), &deployment("doomed", None))
@@ -322,9 +319,9 @@ async fn finalizer_removal_during_deletion_is_not_undone() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ca_bundle_is_the_registrars_own_ca() {
-    let env = tokio::task::block_in_place(env);
-    let _logs = env.stack.logs_on_panic();
-    let client = env.stack.kube.client().await;
+    let bed = suite();
+    let _logs = bed.stack.logs_on_panic();
+    let client = bed.stack.kube.client().await;
     let secret = Api::<Secret>::namespaced(client.clone(), HOME)
         .get(SECRET)
         .await
@@ -344,9 +341,9 @@ async fn ca_bundle_is_the_registrars_own_ca() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn serving_cert_rotation_fails_no_create() {
-    let env = tokio::task::block_in_place(env);
-    let _logs = env.stack.logs_on_panic();
-    let client = env.stack.kube.client().await;
+    let bed = suite();
+    let _logs = bed.stack.logs_on_panic();
+    let client = bed.stack.kube.client().await;
     let ns = namespace(&client, true).await;
     let api: Api<Deployment> = Api::namespaced(client.clone(), &ns);
     let secrets: Api<Secret> = Api::namespaced(client, HOME);
@@ -382,10 +379,10 @@ async fn serving_cert_rotation_fails_no_create() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn replicas_racing_for_the_secret_serve_one_certificate() {
-    let env = tokio::task::block_in_place(env);
-    let _logs = env.stack.logs_on_panic();
+    let bed = suite();
+    let _logs = bed.stack.logs_on_panic();
     let secret = unique("race-tls");
-    let stack = env.stack;
+    let stack = bed.stack;
     // Both start at once against an absent Secret.
     let start = |name: &'static str| {
         let secret = secret.clone();

@@ -1,4 +1,4 @@
-//! The scale benchmark (issue 11), shared by `cargo run --release --example scale` (the
+//! The scale benchmark, shared by `cargo run --release --example scale` (the
 //! numbers in docs/benchmarks.md) and a small-N test (so it cannot rot).
 //!
 //! Realistic Deployments (kubectl's `last-applied-configuration`, ~4 KB each, two per service

@@ -11,7 +11,7 @@ use super::paths::free_port;
 use super::process::{http_get, run};
 use super::registrar::{Options, Registrar};
 use super::spire::SpireServer;
-use super::stack::{Stack, unique};
+use super::stack::{LogsOnPanic, Stack, unique};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
@@ -20,6 +20,8 @@ use kube::{Api, Client};
 use serde_json::{Value, json};
 use spiffe_registrar::names::ENTRY_ID_ANNOTATION;
 use spiffe_registrar::policy::SpiffeRegistration;
+use std::path::Path;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 pub const TD: &str = "example.org";
@@ -83,15 +85,63 @@ pub fn launch(stack: &Stack, port: Option<u16>, options: Options) -> Registrar {
     registrar
 }
 
-/// The binary's shared stack, prepared, with one registrar on the webhook's port: what a
-/// suite keeps in its `OnceLock`. Call outside the async runtime (or in `block_in_place`).
-pub fn shared_with(options: Options) -> (&'static Stack, Registrar) {
-    let stack = Stack::shared();
-    let port = free_port();
-    prepare(&stack.kube, port);
-    let registrar = Registrar::start_on(stack, port, options);
-    stack.track(registrar.process.pgid());
-    (stack, registrar)
+/// A test binary's shared stack and the one registrar its tests share, started on first use.
+pub struct Suite {
+    pub stack: &'static Stack,
+    pub registrar: Registrar,
+}
+
+/// What a test holds while it runs: its suite, and a guard that prints the peers' and the
+/// registrar's logs if the test fails.
+pub struct InSuite {
+    suite: &'static Suite,
+    _logs: LogsOnPanic<'static>,
+}
+
+impl std::ops::Deref for InSuite {
+    type Target = Suite;
+    fn deref(&self) -> &Suite {
+        self.suite
+    }
+}
+
+impl Suite {
+    /// The suite kept in `cell`: the shared stack prepared by `prepare` (CRD, home namespace,
+    /// webhook configuration) and a registrar with `options` on the webhook's port, started
+    /// by the first test that asks.
+    pub fn get(
+        cell: &'static OnceLock<Suite>,
+        options: impl FnOnce() -> Options<'static>,
+    ) -> InSuite {
+        Self::get_prepared(cell, |stack, port| prepare(&stack.kube, port), options)
+    }
+
+    /// `get` with a preparation of the suite's own.
+    pub fn get_prepared(
+        cell: &'static OnceLock<Suite>,
+        prepare: impl FnOnce(&'static Stack, u16),
+        options: impl FnOnce() -> Options<'static>,
+    ) -> InSuite {
+        let suite = tokio::task::block_in_place(|| {
+            cell.get_or_init(|| {
+                let stack = Stack::shared();
+                let port = free_port();
+                prepare(stack, port);
+                let registrar = Registrar::start_on(stack, port, options());
+                stack.track(registrar.process.pgid());
+                Suite { stack, registrar }
+            })
+        });
+        InSuite {
+            suite,
+            _logs: suite.stack.logs_on_panic(),
+        }
+    }
+
+    /// The SPIRE server's admin socket.
+    pub fn socket(&self) -> &Path {
+        &self.stack.spire_server.socket
+    }
 }
 
 /// A stack of its own, prepared (the returned port is the webhook configuration's), for
