@@ -61,8 +61,7 @@ async fn signing_ca(secrets: &Api<Secret>) -> String {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_webhook_ca_rotates_with_an_overlap_and_no_admission_fails() {
-    let stack = Stack::shared();
-    let _logs = stack.logs_on_panic();
+    let stack = Stack::shared_held();
     let s = Scenario::new(&stack.kube).await;
     install_crd(&s.client).await;
     create_namespace_with(&s.client, HOME, false, &[]).await;
@@ -86,7 +85,7 @@ async fn the_webhook_ca_rotates_with_an_overlap_and_no_admission_fails() {
             .iter()
             .map(|(label, port)| {
                 Registrar::start_on(
-                    stack,
+                    &stack,
                     *port,
                     Options {
                         namespace: HOME,

@@ -125,7 +125,6 @@ fn spire_writes(registrar: &Registrar) -> f64 {
 async fn a_rollout_of_2000_deployments_costs_no_spire_write_and_almost_no_sync() {
     let bed = suite();
     let _turn = TURN.lock().await;
-    let _logs = bed.stack.logs_on_panic();
     let s = Scenario::new(&bed.stack.kube).await;
     let policy = s.policy("p", s.spec("p")).await;
     let mut namespaces = Vec::new();
@@ -242,7 +241,6 @@ async fn new_deployments_derive_only_their_service_accounts(
 async fn deleting_a_namespace_of_2000_deployments_leaves_no_entry_and_nothing_stuck() {
     let bed = suite();
     let _turn = TURN.lock().await;
-    let _logs = bed.stack.logs_on_panic();
     let s = Scenario::new(&bed.stack.kube).await;
     s.policy("p", s.spec("p")).await;
     let ns = s.namespace(true).await;

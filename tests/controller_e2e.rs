@@ -129,6 +129,44 @@ async fn deployment_is_registered_with_policy_selectors_parent_and_ttl() {
     assert_eq!(status.conditions[0].status, "True");
 }
 
+// Any name Kubernetes accepts gets an identity (DESIGN invariant 1: the ID comes from
+// policy): a dotted service account cannot fill a one-label DNS name template, so its entry is
+// made without that name, with a Warning on the Deployment and a condition on the policy.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dotted_service_account_gets_its_identity_without_the_dns_name_it_cannot_fill() {
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
+    let mut spec = s.spec("p");
+    spec["dnsNames"] = json!(["{serviceAccount}.{namespace}.svc", "{namespace}.svc"]);
+    let policy = s.policy("p", spec).await;
+    let ns = s.namespace(true).await;
+    let recorded = s.registered(&ns, "web", "a.b-c").await;
+
+    let entries = bed.stack.spire_server.entries_for(&spiffe_id(&ns, "a.b-c"));
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(entry_id(&entries[0]), recorded);
+    assert_eq!(entries[0]["dns_names"], json!([format!("{ns}.svc")]));
+    let stored = s.deployments(&ns).get("web").await.expect("get");
+    assert_eq!(
+        annotation(&stored, SPIFFE_ID_ANNOTATION),
+        Some(spiffe_id(&ns, "a.b-c").as_str())
+    );
+    let warning = s.event(&ns, "web", "DNSNameOmitted").await;
+    assert_eq!(warning.type_.as_deref(), Some("Warning"));
+    assert!(
+        warning
+            .message
+            .as_deref()
+            .is_some_and(|m| m.contains("a.b-c")),
+        "{warning:?}"
+    );
+    let dns = s
+        .condition(&policy, "DNSNames", |c| c.status == "False")
+        .await;
+    assert_eq!(dns.reason, "DNSNameOmitted");
+    s.condition(&policy, "Ready", |c| c.status == "True").await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn shared_service_account_shares_one_refcounted_entry() {
     let bed = suite();

@@ -47,7 +47,6 @@ fn crd_subcommand_prints_the_same_bytes() {
 #[tokio::test(flavor = "multi_thread")]
 async fn manifests_apply_and_their_rbac_is_enough_to_register() {
     let mut stack = tokio::task::block_in_place(Stack::start);
-    let _logs = stack.logs_on_panic();
     let base = format!("{MANIFESTS}/base");
     tokio::task::block_in_place(|| {
         kubectl_ok(&stack, &["apply", "--server-side", "-k", &base]);
@@ -188,6 +187,5 @@ async fn manifests_apply_and_their_rbac_is_enough_to_register() {
         "the registrar hit an RBAC denial on a write"
     );
     drop(registrar);
-    drop(_logs);
     tokio::task::block_in_place(|| stack.stop());
 }

@@ -79,7 +79,6 @@ async fn sample_until(socket: &Path, sa_id: &str, done: impl Fn(&[Entry]) -> boo
 #[tokio::test(flavor = "multi_thread")]
 async fn the_alias_is_kept_repaired_and_moved_make_before_break() {
     let (stack, port) = own_plane();
-    let _logs = stack.logs_on_panic();
     let socket = stack.spire_server.socket.clone();
     let start = |name: &str, psat: &str| {
         launch(

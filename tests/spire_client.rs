@@ -210,28 +210,25 @@ async fn full_sequence(stack: &Stack, endpoint: SpireEndpoint, cluster: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn full_sequence_over_the_admin_socket() {
-    let stack = tokio::task::block_in_place(Stack::shared);
-    let _logs = stack.logs_on_panic();
-    full_sequence(stack, uds_endpoint(stack), "uds").await;
+    let stack = Stack::shared_held();
+    full_sequence(&stack, uds_endpoint(&stack), "uds").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn full_sequence_over_tcp_mtls_with_an_agent_svid() {
-    let stack = tokio::task::block_in_place(Stack::shared);
-    let _logs = stack.logs_on_panic();
-    let endpoint = tokio::task::block_in_place(|| tcp_endpoint(stack));
-    full_sequence(stack, endpoint, "tcp").await;
+    let stack = Stack::shared_held();
+    let endpoint = tokio::task::block_in_place(|| tcp_endpoint(&stack));
+    full_sequence(&stack, endpoint, "tcp").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn tcp_refuses_a_server_with_another_spiffe_id() {
-    let stack = tokio::task::block_in_place(Stack::shared);
-    let _logs = stack.logs_on_panic();
+    let stack = Stack::shared_held();
     let SpireEndpoint::Tcp {
         address,
         workload_api,
         ..
-    } = tokio::task::block_in_place(|| tcp_endpoint(stack))
+    } = tokio::task::block_in_place(|| tcp_endpoint(&stack))
     else {
         unreachable!("tcp_endpoint returns Tcp")
     };
@@ -255,9 +252,8 @@ async fn tcp_refuses_a_server_with_another_spiffe_id() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn other_writers_entries_are_never_ours() {
-    let stack = tokio::task::block_in_place(Stack::shared);
-    let _logs = stack.logs_on_panic();
-    let endpoint = uds_endpoint(stack);
+    let stack = Stack::shared_held();
+    let endpoint = uds_endpoint(&stack);
     let (client, _connection) = client(&endpoint, "foreign-check").await;
     let ownership = client.ownership().clone();
     let parent = stack.spire_agent.agent_id.clone();
@@ -342,9 +338,8 @@ async fn other_writers_entries_are_never_ours() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn invalid_entries_fail_permanently_with_spires_message() {
-    let stack = tokio::task::block_in_place(Stack::shared);
-    let _logs = stack.logs_on_panic();
-    let (client, _connection) = client(&uds_endpoint(stack), "invalid-check").await;
+    let stack = Stack::shared_held();
+    let (client, _connection) = client(&uds_endpoint(&stack), "invalid-check").await;
     let ownership = client.ownership().clone();
     let parent = stack.spire_agent.agent_id.clone();
     let good = workload_entry(&ownership, &parent, "invalid-check", 0);

@@ -44,7 +44,6 @@ async fn stack_is_real_and_leaves_nothing_running() {
     let pgids = stack.pgids();
 
     {
-        let _logs = stack.logs_on_panic();
         let client = stack.kube.client().await;
         let namespaces: Api<Namespace> = Api::all(client.clone());
         namespaces

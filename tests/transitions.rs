@@ -127,7 +127,7 @@ fn cluster_of(entry_id: &str) -> &str {
     entry_id.split('.').nth(1).expect("sreg.<cluster>.<hash>")
 }
 
-// Item 1: make-before-break on a parent change, with the cost in SPIRE calls.
+// Make-before-break (DESIGN invariant 3) on a parent change, with its cost in SPIRE calls.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_parent_change_creates_the_new_entry_before_deleting_the_old() {
     let bed = suite();
@@ -170,7 +170,8 @@ async fn a_parent_change_creates_the_new_entry_before_deleting_the_old() {
     report_calls(&bed.registrar, calls, "policy parentID change");
 }
 
-// Item 1: a replacement SPIRE rejects never costs the old entry, and is not resent.
+// Make-before-break (invariant 3): a replacement SPIRE rejects never costs the old entry, and is
+// not resent.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rejected_replacement_keeps_the_old_entry_and_says_why() {
     let bed = suite();
@@ -221,7 +222,7 @@ async fn a_rejected_replacement_keeps_the_old_entry_and_says_why() {
     assert_eq!(samples.ids(&who), vec![first]);
 }
 
-// Item 1: a service account change moves the Deployment to a new entry, make-before-break.
+// Make-before-break (invariant 3): a service account change moves the Deployment to a new entry.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_service_account_change_is_make_before_break() {
     let bed = suite();
@@ -260,7 +261,7 @@ async fn a_service_account_change_is_make_before_break() {
     );
 }
 
-// Item 2: a typo fails at apply; an unrenderable policy holds what it had.
+// Doubt holds (invariant 4): a typo fails at apply; an unrenderable policy holds what it had.
 #[tokio::test(flavor = "multi_thread")]
 async fn selector_typos_fail_at_apply_and_an_invalid_policy_holds_its_entries() {
     let bed = suite();
@@ -340,7 +341,7 @@ async fn pending_deletions(s: &Scenario, policy: &str, want: u32) {
     .await
 }
 
-// Item 3: scope loss waits for its grace; coming back costs nothing; deletion stays immediate.
+// Bounded, visible graces (invariant 2): scope loss waits for its grace; coming back costs nothing; deletion stays immediate.
 #[tokio::test(flavor = "multi_thread")]
 async fn scope_loss_waits_for_its_grace_and_coming_back_costs_nothing() {
     let bed = suite();
@@ -404,7 +405,7 @@ async fn scope_loss_waits_for_its_grace_and_coming_back_costs_nothing() {
     );
 }
 
-// Item 3: mass scope loss waits for the documented confirmation.
+// Bounded, visible graces (invariant 2): mass scope loss waits for the documented confirmation.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_deletion_brake_holds_mass_scope_loss_until_an_operator_confirms() {
     let (mut stack, registrar, _) = own_stack(
@@ -415,7 +416,6 @@ async fn the_deletion_brake_holds_mass_scope_loss_until_an_operator_confirms() {
             "--deletion-brake-fraction=0.5",
         ],
     );
-    let logs = stack.logs_on_panic();
     let socket = stack.spire_server.socket.clone();
     let s = Scenario::new(&stack.kube).await;
     let with_role = |role: &str| {
@@ -492,11 +492,10 @@ async fn the_deletion_brake_holds_mass_scope_loss_until_an_operator_confirms() {
         .await;
     }
     drop(registrar);
-    drop(logs);
     tokio::task::block_in_place(|| stack.stop());
 }
 
-// Item 4: one service account, one entry, whichever policies match its Deployments.
+// One service account, one identity, whichever policies match its Deployments.
 #[tokio::test(flavor = "multi_thread")]
 async fn one_service_account_gets_one_entry_under_competing_policies() {
     let bed = suite();
@@ -547,7 +546,7 @@ async fn one_service_account_gets_one_entry_under_competing_policies() {
     );
 }
 
-// Item 5: templates where a tenant's name could reach into another's are refused.
+// The SPIFFE ID comes from policy alone (invariant 1): templates where a tenant's name could reach into another's are refused.
 #[tokio::test(flavor = "multi_thread")]
 async fn templates_that_could_collide_or_inject_are_refused_at_apply() {
     let bed = suite();
@@ -580,7 +579,7 @@ async fn templates_that_could_collide_or_inject_are_refused_at_apply() {
         .expect("whole segments and labels are fine");
 }
 
-// Item 6: a forged entry-id is undone by the webhook, corrected by the controller, pins nothing.
+// Nothing we write is read back as truth (invariant 1): a forged entry-id is undone by the webhook, corrected by the controller, pins nothing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_forged_entry_id_never_sticks_and_never_pins_another_teams_entry() {
     let bed = suite();
@@ -652,7 +651,7 @@ async fn a_forged_entry_id_never_sticks_and_never_pins_another_teams_entry() {
     assert!(entries(bed.socket(), &sa(&team_a, "api")).await.is_empty());
 }
 
-// Item 7: two clusters with default names on one SPIRE server; then a rename migrates.
+// We only delete what we own (invariant 6): two clusters with default names on one SPIRE server; then a rename migrates.
 #[tokio::test(flavor = "multi_thread")]
 async fn clusters_sharing_spire_keep_apart_and_a_rename_migrates_in_place() {
     let (mut stack, port_a) = tokio::task::block_in_place(|| {
@@ -661,7 +660,6 @@ async fn clusters_sharing_spire_keep_apart_and_a_rename_migrates_in_place() {
         prepare(&stack.kube, port);
         (stack, port)
     });
-    let logs = stack.logs_on_panic();
     let socket = stack.spire_server.socket.clone();
     let (mut kube_b, port_b) = tokio::task::block_in_place(|| {
         let kube = KubePlane::start(&stack.dir().join("b"));
@@ -757,18 +755,17 @@ async fn clusters_sharing_spire_keep_apart_and_a_rename_migrates_in_place() {
     );
     assert_eq!(entries(&socket, &theirs).await.len(), 1);
 
-    drop((registrar_a, registrar_b, logs));
+    drop((registrar_a, registrar_b));
     tokio::task::block_in_place(|| {
         kube_b.stop();
         stack.stop();
     });
 }
 
-// Item 8: another writer's equivalent entry: reported once, adopted in place on opt-in.
+// We only delete what we own (invariant 6): another writer's equivalent entry: reported once, adopted in place on opt-in.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_equivalent_foreign_entry_is_reported_once_then_adopted_on_opt_in() {
     let (mut stack, registrar, port) = own_stack("adopt", &[]);
-    let logs = stack.logs_on_panic();
     let socket = stack.spire_server.socket.clone();
     let s = Scenario::new(&stack.kube).await;
     s.policy("p", s.spec("p")).await;
@@ -853,34 +850,44 @@ async fn an_equivalent_foreign_entry_is_reported_once_then_adopted_on_opt_in() {
         "now ours to delete"
     );
     drop(registrar);
-    drop(logs);
     tokio::task::block_in_place(|| stack.stop());
 }
 
-// Item 9: a policy is not Ready while one of its service accounts cannot render.
+// A policy is not Ready while one of its service accounts cannot be registered (DESIGN
+// invariant 4: doubt holds). Here two policies' templates would give service accounts of two
+// namespaces one SPIFFE ID: both are held, and each policy says so.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_policy_is_not_ready_while_one_of_its_service_accounts_fails() {
     let bed = suite();
     let s = Scenario::new(&bed.stack.kube).await;
-    let mut spec = s.spec("p");
-    spec["dnsNames"] = json!(["{serviceAccount}.svc"]);
-    let p = s.policy("p", spec).await;
-    let ns = s.namespace(true).await;
-    s.registered(&ns, "fine", "fine").await;
-    s.deployments(&ns)
-        .create(
-            &PostParams::default(),
-            &deployment("dotted", Some("has.dots")),
-        )
-        .await
-        .expect("create");
+    let (one, two) = (s.namespace(true).await, s.namespace(true).await);
+    let only = |ns: &str| json!({ "matchLabels": { "kubernetes.io/metadata.name": ns } });
+    let mut a = s.spec("a");
+    a["namespaceSelector"] = only(&one);
+    a["spiffeIDTemplate"] = json!(format!(
+        "spiffe://{{trustDomain}}/{two}/{{namespace}}/{{serviceAccount}}"
+    ));
+    let mut b = s.spec("b");
+    b["namespaceSelector"] = only(&two);
+    b["spiffeIDTemplate"] = json!(format!(
+        "spiffe://{{trustDomain}}/{{namespace}}/{one}/{{serviceAccount}}"
+    ));
+    let p = s.policy("a", a).await;
+    s.policy("b", b).await;
+    s.registered(&one, "fine", "fine").await;
+    // spiffe://<td>/<two>/<one>/x, twice.
+    for ns in [&one, &two] {
+        s.deployments(ns)
+            .create(&PostParams::default(), &deployment("clash", Some("x")))
+            .await
+            .expect("create");
+    }
     let ready = s
         .condition(&p, "Ready", |c| {
             c.status == "False" && c.reason == "RegistrationFailed"
         })
         .await;
     assert!(ready.message.starts_with("1 of 2"), "{}", ready.message);
-    assert!(ready.message.contains("has.dots"), "{}", ready.message);
     let status = s
         .policies()
         .get(&p)
@@ -889,6 +896,9 @@ async fn a_policy_is_not_ready_while_one_of_its_service_accounts_fails() {
         .status
         .expect("status");
     assert_eq!((status.entries, status.failures), (1, 1));
-    s.event(&ns, "dotted", "RegistrationFailed").await;
-    assert!(entries(bed.socket(), &sa(&ns, "has.dots")).await.is_empty());
+    s.event(&one, "clash", "RegistrationFailed").await;
+    s.event(&two, "clash", "RegistrationFailed").await;
+    for ns in [&one, &two] {
+        assert!(entries(bed.socket(), &sa(ns, "x")).await.is_empty());
+    }
 }

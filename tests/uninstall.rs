@@ -30,13 +30,12 @@ fn ours_gone(d: &Deployment) -> bool {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn uninstall_leaves_nothing_stuck_and_deletes_only_our_entries_when_asked() {
-    let stack = Stack::shared();
-    let _logs = stack.logs_on_panic();
+    let stack = Stack::shared_held();
     let port = free_port();
     tokio::task::block_in_place(|| prepare(&stack.kube, port));
     let mut registrar = tokio::task::block_in_place(|| {
         Registrar::start_on(
-            stack,
+            &stack,
             port,
             Options {
                 namespace: HOME,
@@ -86,7 +85,7 @@ async fn uninstall_leaves_nothing_stuck_and_deletes_only_our_entries_when_asked(
     );
 
     // While the registrar leads, nothing is touched.
-    let (ok, stdout, stderr) = uninstall(stack, &[&format!("--namespace={HOME}")]);
+    let (ok, stdout, stderr) = uninstall(&stack, &[&format!("--namespace={HOME}")]);
     assert!(
         !ok,
         "uninstall must refuse while a replica leads:\n{stdout}"
@@ -114,7 +113,7 @@ async fn uninstall_leaves_nothing_stuck_and_deletes_only_our_entries_when_asked(
         format!("--webhook-configuration={WEBHOOK_CONFIG}"),
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (ok, stdout, stderr) = uninstall(stack, &args);
+    let (ok, stdout, stderr) = uninstall(&stack, &args);
     assert!(ok, "uninstall failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("from 3 Deployments"), "{stdout}");
     assert!(
@@ -140,7 +139,7 @@ async fn uninstall_leaves_nothing_stuck_and_deletes_only_our_entries_when_asked(
         assert_eq!(spire.entries(&["-spiffeID", id]).len(), 1, "{id} is kept");
     }
     // A second run finds nothing left to do.
-    let (ok, stdout, _) = uninstall(stack, &args);
+    let (ok, stdout, _) = uninstall(&stack, &args);
     assert!(
         ok && stdout.contains("from 0 Deployments") && stdout.contains("already gone"),
         "{stdout}"
@@ -177,7 +176,7 @@ async fn uninstall_leaves_nothing_stuck_and_deletes_only_our_entries_when_asked(
     let cluster = format!("--cluster-name={CLUSTER}");
     let mut with_entries = args.clone();
     with_entries.extend(["--delete-entries", &socket, &cluster]);
-    let (ok, stdout, stderr) = uninstall(stack, &with_entries);
+    let (ok, stdout, stderr) = uninstall(&stack, &with_entries);
     assert!(ok, "uninstall --delete-entries failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("deleted 2 SPIRE entries"), "{stdout}");
     for id in &ids {

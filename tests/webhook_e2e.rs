@@ -105,7 +105,6 @@ async fn webhook_live_in(client: &Client, namespace: &str) {
 #[tokio::test(flavor = "multi_thread")]
 async fn labelled_namespace_gets_finalizer_and_policy_id() {
     let bed = suite();
-    let _logs = bed.stack.logs_on_panic();
     let client = bed.stack.kube.client().await;
     let ns = namespace(&client, true).await;
     let api: Api<Deployment> = Api::namespaced(client, &ns);
@@ -123,7 +122,6 @@ async fn labelled_namespace_gets_finalizer_and_policy_id() {
 #[tokio::test(flavor = "multi_thread")]
 async fn unlabelled_namespace_is_untouched() {
     let bed = suite();
-    let _logs = bed.stack.logs_on_panic();
     let client = bed.stack.kube.client().await;
     // Make sure the webhook is live before concluding anything from its absence.
     namespace(&client, true).await;
@@ -140,7 +138,6 @@ async fn unlabelled_namespace_is_untouched() {
 #[tokio::test(flavor = "multi_thread")]
 async fn user_written_spiffe_id_is_replaced() {
     let bed = suite();
-    let _logs = bed.stack.logs_on_panic();
     let client = bed.stack.kube.client().await;
     let ns = namespace(&client, true).await;
     let api: Api<Deployment> = Api::namespaced(client, &ns);
@@ -177,7 +174,6 @@ async fn user_written_spiffe_id_is_replaced() {
 #[tokio::test(flavor = "multi_thread")]
 async fn only_updates_of_what_the_webhook_reads_reach_it() {
     let bed = suite();
-    let _logs = bed.stack.logs_on_panic();
     let client = bed.stack.kube.client().await;
     let ns = namespace(&client, false).await;
     let api: Api<Deployment> = Api::namespaced(client.clone(), &ns);
@@ -263,7 +259,6 @@ async fn only_updates_of_what_the_webhook_reads_reach_it() {
 #[tokio::test(flavor = "multi_thread")]
 async fn server_side_dry_run_returns_the_patched_object_and_persists_nothing() {
     let bed = suite();
-    let _logs = bed.stack.logs_on_panic();
     let client = bed.stack.kube.client().await;
     let ns = namespace(&client, true).await;
     let api: Api<Deployment> = Api::namespaced(client, &ns);
@@ -291,7 +286,6 @@ async fn server_side_dry_run_returns_the_patched_object_and_persists_nothing() {
 #[tokio::test(flavor = "multi_thread")]
 async fn finalizer_removal_during_deletion_is_not_undone() {
     let bed = suite();
-    let _logs = bed.stack.logs_on_panic();
     let client = bed.stack.kube.client().await;
     let ns = namespace(&client, true).await;
     let api: Api<Deployment> = Api::namespaced(client, &ns);
@@ -320,7 +314,6 @@ async fn finalizer_removal_during_deletion_is_not_undone() {
 #[tokio::test(flavor = "multi_thread")]
 async fn ca_bundle_is_the_registrars_own_ca() {
     let bed = suite();
-    let _logs = bed.stack.logs_on_panic();
     let client = bed.stack.kube.client().await;
     let secret = Api::<Secret>::namespaced(client.clone(), HOME)
         .get(SECRET)
@@ -342,7 +335,6 @@ async fn ca_bundle_is_the_registrars_own_ca() {
 #[tokio::test(flavor = "multi_thread")]
 async fn serving_cert_rotation_fails_no_create() {
     let bed = suite();
-    let _logs = bed.stack.logs_on_panic();
     let client = bed.stack.kube.client().await;
     let ns = namespace(&client, true).await;
     let api: Api<Deployment> = Api::namespaced(client.clone(), &ns);
@@ -380,7 +372,6 @@ async fn serving_cert_rotation_fails_no_create() {
 #[tokio::test(flavor = "multi_thread")]
 async fn replicas_racing_for_the_secret_serve_one_certificate() {
     let bed = suite();
-    let _logs = bed.stack.logs_on_panic();
     let secret = unique("race-tls");
     let stack = bed.stack;
     // Both start at once against an absent Secret.

@@ -11,7 +11,7 @@ use common::node::apply;
 use common::node_agent::{PSAT_CLUSTER, bare_pod, workload_deployment};
 use common::registrar::Registrar;
 use common::reports::{self, Line};
-use common::stack::unique;
+use common::stack::{Held, unique};
 use common::world::{Scenario, TD, flags, lease_holder, options, prepare, spiffe_id};
 use common::{Stack, paths::free_port};
 use k8s_openapi::api::core::v1::Pod;
@@ -61,9 +61,9 @@ fn replica(stack: &Stack, webhook_port: u16, name: &str) -> Registrar {
 const LEADER: &str = "registrar-leader";
 
 /// The node stack and two registrar replicas.
-fn bed() -> &'static Bed {
+fn bed() -> Held<Bed> {
     static BED: OnceLock<Bed> = OnceLock::new();
-    BED.get_or_init(|| {
+    let bed = BED.get_or_init(|| {
         tokio::task::block_in_place(|| {
             let stack = Stack::shared_with_node();
             let webhook_port = free_port();
@@ -88,7 +88,8 @@ fn bed() -> &'static Bed {
                 ]),
             }
         })
-    })
+    });
+    Held::new(bed, bed.stack)
 }
 
 /// A policy of this scenario with no parentID (the node alias) and a DNS name.
@@ -224,8 +225,8 @@ fn is_refusal(line: &Line) -> bool {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn each_pod_holds_the_svid_its_deployment_was_annotated_with() {
-    let stack = bed().stack;
-    let _logs = stack.logs_on_panic();
+    let bed = bed();
+    let stack = bed.stack;
     let (s, _, ns) = world(stack).await;
     run_workload(stack, &ns, "web", "api", 2);
 
@@ -285,8 +286,8 @@ async fn each_pod_holds_the_svid_its_deployment_was_annotated_with() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pod_outside_every_policy_gets_no_identity() {
-    let stack = bed().stack;
-    let _logs = stack.logs_on_panic();
+    let bed = bed();
+    let stack = bed.stack;
     let (s, _, _) = world(stack).await;
     // Not opted in, though its labels match the policy.
     let off = unique(&s.tag);
@@ -305,8 +306,8 @@ async fn a_pod_outside_every_policy_gets_no_identity() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_running_pod_keeps_an_identity_through_ttl_and_template_edits() {
-    let stack = bed().stack;
-    let _logs = stack.logs_on_panic();
+    let bed = bed();
+    let stack = bed.stack;
     let (s, policy, ns) = world(stack).await;
     let pod = one_pod(stack, &s, &ns, "web", "api").await;
     let first = spiffe_id(&ns, "api");
@@ -359,8 +360,8 @@ fn at_ms_of_last_set(lines: &[Line]) -> i64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_service_account_change_moves_new_pods_to_the_new_identity_without_a_gap() {
-    let stack = bed().stack;
-    let _logs = stack.logs_on_panic();
+    let bed = bed();
+    let stack = bed.stack;
     let (s, _, ns) = world(stack).await;
     let old_pod = one_pod(stack, &s, &ns, "web", "api").await;
     holding(stack, &old_pod, &[&spiffe_id(&ns, "api")]).await;
@@ -392,8 +393,8 @@ async fn a_service_account_change_moves_new_pods_to_the_new_identity_without_a_g
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_last_deployment_of_a_service_account_takes_its_identity_with_it() {
-    let stack = bed().stack;
-    let _logs = stack.logs_on_panic();
+    let bed = bed();
+    let stack = bed.stack;
     let (s, _, ns) = world(stack).await;
     let id = spiffe_id(&ns, "shared");
     run_workload(stack, &ns, "one", "shared", 1);
@@ -433,7 +434,6 @@ async fn the_last_deployment_of_a_service_account_takes_its_identity_with_it() {
 async fn a_leader_failover_costs_a_running_pod_nothing_and_the_new_leader_registers() {
     let bed = bed();
     let stack = bed.stack;
-    let _logs = stack.logs_on_panic();
     let (s, _, ns) = world(stack).await;
     let pod = one_pod(stack, &s, &ns, "before", "api").await;
     let id = spiffe_id(&ns, "api");
@@ -480,8 +480,8 @@ async fn a_leader_failover_costs_a_running_pod_nothing_and_the_new_leader_regist
 /// rot: every Deployment's Pod holds its SVID, after its entry exists and its workload runs.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_apply_to_svid_benchmark_measures_every_deployment() {
-    let stack = bed().stack;
-    let _logs = stack.logs_on_panic();
+    let bed = bed();
+    let stack = bed.stack;
     let (_, _, ns) = world(stack).await;
     let timings = common::apply_to_svid::measure(
         stack,

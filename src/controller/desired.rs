@@ -46,6 +46,8 @@ pub struct ServiceAccount {
     pub deployments: Vec<DeploymentKey>,
     /// Other policies matching its Deployments, which do not govern it.
     pub losers: Vec<String>,
+    /// DNS name templates left out of its entry, and why (`None`: every one rendered).
+    pub dns_omitted: Option<Arc<str>>,
 }
 
 /// One Deployment as the decisions see it.
@@ -314,6 +316,7 @@ fn account(
     known: &BTreeMap<String, Arc<Entry>>,
 ) -> ServiceAccount {
     let mut loser_names = Vec::new();
+    let mut dns_omitted = None;
     let state = match resolution {
         Resolution::OutOfScope => SaState::OutOfScope,
         Resolution::Invalid { policy, error } => SaState::Invalid {
@@ -325,7 +328,9 @@ fn account(
             policy,
             entry,
             losers,
+            dns_omitted: omitted,
         } => {
+            dns_omitted = (!omitted.is_empty()).then(|| Arc::from(omitted.join("; ")));
             for loser in losers {
                 loser_names.push(loser.name_any());
                 desired
@@ -348,6 +353,7 @@ fn account(
         state,
         deployments: keys,
         losers: loser_names,
+        dns_omitted,
     }
 }
 

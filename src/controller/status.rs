@@ -49,6 +49,7 @@ pub fn compute(policy: &SpiffeRegistration, outcome: &Outcome) -> SpiffeRegistra
     let (status, reason, message) = ready(&name, outcome.desired, &counts);
     let (conflict, conflict_reason, conflict_message) = conflict(counts.conflicts);
     let (braked, brake_reason, brake_message) = deletion_brake(outcome.plan.brake.as_ref());
+    let (dns, dns_reason, dns_message) = dns_names(&counts);
     SpiffeRegistrationStatus {
         conditions: vec![
             condition(policy, "Ready", status, reason, message),
@@ -66,6 +67,7 @@ pub fn compute(policy: &SpiffeRegistration, outcome: &Outcome) -> SpiffeRegistra
                 brake_reason.to_string(),
                 brake_message,
             ),
+            condition(policy, "DNSNames", dns, dns_reason.to_string(), dns_message),
         ],
         observed_generation: policy.metadata.generation,
         selected_workloads: counts.selected,
@@ -88,6 +90,9 @@ struct Counts {
     pending: u32,
     /// Deployments it matches that another policy governs.
     conflicts: usize,
+    /// Its service accounts whose entry is made without some DNS names, and the first's note.
+    dns_omitted: u32,
+    first_dns_omitted: Option<String>,
 }
 
 impl Counts {
@@ -109,8 +114,10 @@ impl Counts {
                 .filter(|p| memory.policy_of(&p.entry.id) == Some(name))
                 .count() as u32,
             conflicts: desired.conflicts.get(name).map(|c| c.len()).unwrap_or(0),
+            dns_omitted: 0,
+            first_dns_omitted: None,
         };
-        for account in desired.service_accounts.values() {
+        for (sa, account) in &desired.service_accounts {
             let (governs, problem) = match &account.state {
                 SaState::Needs { policy, entry } => {
                     let problem = failures
@@ -132,6 +139,12 @@ impl Counts {
                 continue;
             }
             counts.selected += account.deployments.len() as u32;
+            if let Some(note) = &account.dns_omitted {
+                counts.dns_omitted += 1;
+                counts
+                    .first_dns_omitted
+                    .get_or_insert_with(|| format!("{sa}: {note}"));
+            }
             if let Some(problem) = problem {
                 counts.failed += 1;
                 counts.first_failure.get_or_insert(problem);
@@ -188,6 +201,26 @@ fn conflict(conflicts: usize) -> (&'static str, &'static str, String) {
             "NoConflict",
             "every Deployment matched by this policy is governed by it".to_string(),
         )
+    }
+}
+
+/// The `DNSNames` condition: whether every DNS name template renders for every service
+/// account the policy governs (one that cannot is left out of that entry, never the entry).
+fn dns_names(counts: &Counts) -> (&'static str, &'static str, String) {
+    match &counts.first_dns_omitted {
+        Some(first) => (
+            "False",
+            "DNSNameOmitted",
+            format!(
+                "{} service accounts get their entry without some DNS names; first: {first}",
+                counts.dns_omitted
+            ),
+        ),
+        None => (
+            "True",
+            "AllRendered",
+            "every DNS name template renders for every service account".to_string(),
+        ),
     }
 }
 
@@ -327,8 +360,7 @@ mod tests {
     }
 
     #[test]
-    fn a_policy_is_not_ready_while_a_service_account_fails_to_render() {
-        // Valid for most names, but this service account's name makes a DNS name invalid.
+    fn a_dns_name_left_out_keeps_the_policy_ready_and_is_named_in_its_own_condition() {
         let policy = Arc::new(mk_policy("p", 1, |s| {
             s.dns_names = vec!["{serviceAccount}.svc".into()]
         }));
@@ -337,6 +369,33 @@ mod tests {
             vec![
                 recorded(mk_deployment("a", "ok", Some("fine"), &[])),
                 recorded(mk_deployment("a", "odd", Some("has.dots"), &[])),
+            ],
+            0,
+        );
+        assert_eq!(find(&status, "Ready").status, "True");
+        assert_eq!((status.entries, status.failures), (2, 0));
+        let dns = find(&status, "DNSNames");
+        assert_eq!(
+            (dns.status.as_str(), dns.reason.as_str()),
+            ("False", "DNSNameOmitted")
+        );
+        assert!(
+            dns.message.starts_with("1 service accounts") && dns.message.contains("a/has.dots"),
+            "{}",
+            dns.message
+        );
+    }
+
+    #[test]
+    fn a_policy_is_not_ready_while_a_service_account_fails_to_render() {
+        // Valid for every name Kubernetes accepts; `..` stands for a name that cannot become
+        // a SPIFFE ID path segment.
+        let policy = Arc::new(mk_policy("p", 1, |_| {}));
+        let status = status_of(
+            &[policy],
+            vec![
+                recorded(mk_deployment("a", "ok", Some("fine"), &[])),
+                recorded(mk_deployment("a", "odd", Some(".."), &[])),
             ],
             0,
         );

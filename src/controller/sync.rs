@@ -241,15 +241,12 @@ impl<A: EntryApi> Controller<A> {
         for (ours, theirs) in &report.foreign {
             self.metrics.foreign.inc();
             info!(entry_id = %ours, foreign_entry_id = %theirs.id, spiffe_id = %theirs.spiffe_id, adopt = self.settings.decide.adopt, "SPIRE holds an equivalent entry written by another tool");
-            self.memory.foreign.insert(ours.clone(), theirs.clone());
         }
         for (entry, reason) in &report.rejected {
             self.metrics.rejected.inc();
             warn!(entry_id = %entry.id, spiffe_id = %entry.spiffe_id, %reason, "SPIRE rejected an entry; the entry it replaces, if any, is kept");
-            self.memory
-                .rejected
-                .insert(entry.id.clone(), (entry.clone(), reason.clone()));
         }
+        self.memory.learn(&report.foreign, &report.rejected);
         !report.foreign.is_empty()
     }
 

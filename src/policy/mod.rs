@@ -17,7 +17,7 @@ pub mod spiffe_id;
 
 pub use crd::{SpiffeRegistration, SpiffeRegistrationSpec, SpiffeRegistrationStatus};
 pub use labels::{LabelSource, Labels};
-pub use render::{RenderError, Workload};
+pub use render::{RenderError, Rendered, Workload};
 
 use crate::spire::{Entry, Ownership};
 
@@ -69,6 +69,8 @@ pub enum Resolution<'p> {
         /// The entry policy gives the service account, claimed by the registrar's ownership.
         entry: Entry,
         losers: Vec<&'p SpiffeRegistration>,
+        /// DNS name templates left out of the entry for this service account, each with why.
+        dns_omitted: Vec<String>,
     },
 }
 
@@ -106,10 +108,11 @@ pub fn resolve<'p, 'l, L: LabelSource + 'l>(
         service_account,
     };
     match render::render(&selection.winner.spec, &workload, ownership) {
-        Ok(entry) => Resolution::InScope {
+        Ok(render::Rendered { entry, dns_omitted }) => Resolution::InScope {
             policy: selection.winner,
             entry,
             losers: selection.losers,
+            dns_omitted,
         },
         Err(error) => Resolution::Invalid {
             policy: selection.winner,
@@ -159,6 +162,7 @@ mod tests {
                 policy,
                 entry,
                 losers,
+                ..
             } => format!(
                 "{} {} losers={}",
                 policy.name_any(),

@@ -112,13 +112,24 @@ pub fn check_template(template: &str) -> Result<(), RenderError> {
     Ok(())
 }
 
+/// What one DNS name template gives a workload.
+enum DnsName {
+    Rendered(String),
+    /// Left out of this workload's entry, and why: the template is valid, but this workload's
+    /// names do not fit in it (a dotted service account would add labels; a long one would
+    /// overflow a label). The entry is made without it.
+    Omitted(String),
+}
+
 /// Renders one DNS name template. Placeholders must be whole labels, and a namespace or
 /// service account must fill exactly one label (service account names may contain dots).
+/// A template that no workload could fill is an error of the policy; one that only this
+/// workload's names break is `Omitted`.
 fn render_dns_name(
     template: &str,
     trust_domain: &str,
     workload: &Workload,
-) -> Result<String, RenderError> {
+) -> Result<DnsName, RenderError> {
     let mut labels = Vec::new();
     for label in template.split('.') {
         let value = match label {
@@ -131,15 +142,32 @@ fn render_dns_name(
             literal => literal,
         };
         if label != "{trustDomain}" && value.contains('.') {
-            return Err(RenderError::DnsLabel(template.into(), value.into()));
+            return Ok(DnsName::Omitted(format!(
+                "dnsNames template {template:?} left out: {value:?} would add DNS labels of its own"
+            )));
         }
         labels.push(value);
     }
     let name = labels.join(".");
-    if !valid_dns_name(&name) {
+    if valid_dns_name(&name) {
+        return Ok(DnsName::Rendered(name));
+    }
+    // Filled with a short valid label, does the template itself make a valid name?
+    let sample = template
+        .split('.')
+        .map(|label| match label {
+            "{trustDomain}" => trust_domain,
+            "{namespace}" | "{serviceAccount}" => "x",
+            literal => literal,
+        })
+        .collect::<Vec<_>>()
+        .join(".");
+    if !valid_dns_name(&sample) {
         return Err(RenderError::DnsName(name));
     }
-    Ok(name)
+    Ok(DnsName::Omitted(format!(
+        "dnsNames template {template:?} left out: {name:?} is not a valid DNS name (labels of at most 63 characters, 253 in all)"
+    )))
 }
 
 /// A DNS name as SPIRE accepts it in `dns_names`: ASCII labels, at most one leading `*.`.
@@ -180,11 +208,22 @@ pub fn render(
     spec: &SpiffeRegistrationSpec,
     workload: &Workload,
     ownership: &Ownership,
-) -> Result<Entry, RenderError> {
-    render_unclaimed(spec, workload, &|trust_domain| {
+) -> Result<Rendered, RenderError> {
+    let Rendered { entry, dns_omitted } = render_unclaimed(spec, workload, &|trust_domain| {
         ownership.node_alias_id(trust_domain)
+    })?;
+    Ok(Rendered {
+        entry: ownership.claim(entry),
+        dns_omitted,
     })
-    .map(|entry| ownership.claim(entry))
+}
+
+/// An entry policy gives a workload, and the DNS name templates left out of it for this
+/// workload (each with why): a name Kubernetes accepts never costs a workload its identity.
+#[derive(Debug)]
+pub struct Rendered {
+    pub entry: Entry,
+    pub dns_omitted: Vec<String>,
 }
 
 /// Everything but the ID and hint, which only `Ownership::claim` sets: this value never
@@ -193,7 +232,7 @@ fn render_unclaimed(
     spec: &SpiffeRegistrationSpec,
     workload: &Workload,
     node_alias: &dyn Fn(&str) -> String,
-) -> Result<Entry, RenderError> {
+) -> Result<Rendered, RenderError> {
     let td = spec.trust_domain.as_str();
     if !valid_trust_domain(td) {
         return Err(RenderError::TrustDomain(td.to_string()));
@@ -225,8 +264,12 @@ fn render_unclaimed(
         .transpose()?
         .unwrap_or(0);
     let mut dns_names = Vec::with_capacity(spec.dns_names.len());
+    let mut dns_omitted = Vec::new();
     for template in &spec.dns_names {
-        dns_names.push(render_dns_name(template, td, workload)?);
+        match render_dns_name(template, td, workload)? {
+            DnsName::Rendered(name) => dns_names.push(name),
+            DnsName::Omitted(why) => dns_omitted.push(why),
+        }
     }
     dns_names.sort();
     dns_names.dedup();
@@ -244,7 +287,7 @@ fn render_unclaimed(
         Selector::new("k8s", format!("sa:{}", workload.service_account)),
     ];
     selectors.sort();
-    Ok(Entry {
+    let entry = Entry {
         id: String::new(),
         spiffe_id,
         parent_id,
@@ -255,7 +298,8 @@ fn render_unclaimed(
         federates_with,
         hint: String::new(),
         revision_number: 0,
-    })
+    };
+    Ok(Rendered { entry, dns_omitted })
 }
 
 #[cfg(test)]
@@ -270,7 +314,7 @@ mod tests {
 
     #[test]
     fn default_template_renders_namespace_and_service_account() {
-        let id = render(&mk_spec(), &WL, &ownership()).expect("valid");
+        let id = render(&mk_spec(), &WL, &ownership()).expect("valid").entry;
         assert_eq!(id.spiffe_id, "spiffe://example.org/ns/payments/sa/api");
         assert_eq!(id.parent_id, "spiffe://example.org/k8s/nodes");
         assert_eq!(
@@ -292,7 +336,7 @@ mod tests {
         let ownership = ownership()
             .with_node_alias_cluster("bed")
             .expect("valid psat name");
-        let entry = render(&spec, &WL, &ownership).expect("valid");
+        let entry = render(&spec, &WL, &ownership).expect("valid").entry;
         assert_eq!(
             entry.parent_id,
             "spiffe://example.org/spiffe-registrar/k8s-psat/bed"
@@ -413,7 +457,7 @@ mod tests {
         ];
         spec.federates_with = vec!["z.org".into(), "a.org".into()];
         spec.jwt_ttl = Some("5m".into());
-        let id = render(&spec, &WL, &ownership()).expect("valid");
+        let id = render(&spec, &WL, &ownership()).expect("valid").entry;
         assert_eq!(id.spiffe_id, "spiffe://example.org/k8s/payments/api");
         assert_eq!(
             id.dns_names,
@@ -427,19 +471,40 @@ mod tests {
     }
 
     #[test]
-    fn a_dotted_service_account_cannot_add_dns_labels() {
+    fn a_dotted_service_account_gets_its_entry_without_the_dns_name_it_cannot_fill() {
         let mut spec = mk_spec();
-        spec.dns_names = vec!["{serviceAccount}.{namespace}.svc".into()];
+        spec.dns_names = vec![
+            "{serviceAccount}.{namespace}.svc".into(),
+            "{namespace}.svc".into(),
+        ];
         let wl = Workload {
             namespace: "payments",
             service_account: "evil.example.com",
         };
-        assert!(matches!(
-            render(&spec, &wl, &ownership()),
-            Err(RenderError::DnsLabel(..))
-        ));
-        // The SPIFFE ID itself takes the dotted name as one segment.
-        assert!(render(&mk_spec(), &wl, &ownership()).is_ok());
+        let rendered = render(&spec, &wl, &ownership()).expect("the entry renders");
+        assert_eq!(rendered.entry.dns_names, ["payments.svc"]);
+        assert_eq!(rendered.dns_omitted.len(), 1, "{:?}", rendered.dns_omitted);
+        assert!(
+            rendered.dns_omitted[0].contains("{serviceAccount}.{namespace}.svc")
+                && rendered.dns_omitted[0].contains("evil.example.com"),
+            "the note names the template and the name: {:?}",
+            rendered.dns_omitted
+        );
+        // The SPIFFE ID takes the dotted name as one segment.
+        assert!(rendered.entry.spiffe_id.ends_with("/sa/evil.example.com"));
+        // A name too long for a DNS label is left out the same way.
+        let long = "a".repeat(64);
+        let wl = Workload {
+            namespace: "payments",
+            service_account: &long,
+        };
+        let rendered = render(&spec, &wl, &ownership()).expect("the entry renders");
+        assert_eq!(rendered.entry.dns_names, ["payments.svc"]);
+        assert_eq!(rendered.dns_omitted.len(), 1);
+        // An ordinary name renders every DNS name and omits nothing.
+        let rendered = render(&spec, &WL, &ownership()).expect("valid");
+        assert_eq!(rendered.entry.dns_names.len(), 2);
+        assert!(rendered.dns_omitted.is_empty());
     }
 
     #[test]

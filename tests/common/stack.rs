@@ -48,6 +48,13 @@ impl Stack {
     }
 
     /// `start_with_node`, once per test binary (see `shared`).
+    /// The binary's shared stack, as a test holds it (`Held`: its logs printed if the test
+    /// fails). Call inside a multi-threaded runtime.
+    pub fn shared_held() -> Held<Stack> {
+        let stack = tokio::task::block_in_place(Stack::shared);
+        Held::new(stack, stack)
+    }
+
     pub fn shared_with_node() -> &'static Stack {
         SHARED_WITH_NODE.get_or_init(Stack::start_with_node)
     }
@@ -209,8 +216,35 @@ impl Stack {
 }
 
 impl Drop for Stack {
+    /// A stack of a test's own prints its logs when the test fails, then stops.
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.dump_logs();
+        }
         self.stop();
+    }
+}
+
+/// A shared piece of the bed (never dropped) as a test holds it: with a guard that prints
+/// the stack's logs if the test fails.
+pub struct Held<T: 'static> {
+    value: &'static T,
+    _logs: LogsOnPanic<'static>,
+}
+
+impl<T> Held<T> {
+    pub fn new(value: &'static T, stack: &'static Stack) -> Self {
+        Self {
+            value,
+            _logs: stack.logs_on_panic(),
+        }
+    }
+}
+
+impl<T> std::ops::Deref for Held<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.value
     }
 }
 

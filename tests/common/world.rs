@@ -11,7 +11,7 @@ use super::paths::free_port;
 use super::process::{http_get, run};
 use super::registrar::{Options, Registrar};
 use super::spire::SpireServer;
-use super::stack::{LogsOnPanic, Stack, unique};
+use super::stack::{Held, Stack, unique};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
@@ -93,17 +93,7 @@ pub struct Suite {
 
 /// What a test holds while it runs: its suite, and a guard that prints the peers' and the
 /// registrar's logs if the test fails.
-pub struct InSuite {
-    suite: &'static Suite,
-    _logs: LogsOnPanic<'static>,
-}
-
-impl std::ops::Deref for InSuite {
-    type Target = Suite;
-    fn deref(&self) -> &Suite {
-        self.suite
-    }
-}
+pub type InSuite = Held<Suite>;
 
 impl Suite {
     /// The suite kept in `cell`: the shared stack prepared by `prepare` (CRD, home namespace,
@@ -132,10 +122,7 @@ impl Suite {
                 Suite { stack, registrar }
             })
         });
-        InSuite {
-            suite,
-            _logs: suite.stack.logs_on_panic(),
-        }
+        Held::new(suite, suite.stack)
     }
 
     /// The SPIRE server's admin socket.

@@ -46,6 +46,19 @@ impl Memory {
         self.foreign.clear();
     }
 
+    /// Takes in what SPIRE said of this sync's writes: equivalent entries another writer owns
+    /// (our ID → theirs), and creates it refused (what we sent, its reason). Both shape the
+    /// next decisions until a fresh list (`forget_spire_answers`).
+    pub fn learn(&mut self, foreign: &[(String, Entry)], rejected: &[(Entry, String)]) {
+        for (ours, theirs) in foreign {
+            self.foreign.insert(ours.clone(), theirs.clone());
+        }
+        for (entry, reason) in rejected {
+            self.rejected
+                .insert(entry.id.clone(), (entry.clone(), reason.clone()));
+        }
+    }
+
     /// Keeps writes whose patch failed until the next sync (`settle_failed_writes`). Their
     /// announcements were never published: forgotten, so a retried write makes them again.
     pub fn failed_writes(&mut self, failed: Vec<FailedWrite>) {

@@ -63,6 +63,7 @@ pub fn workload_writes(
         };
         let mut announce: Vec<Announce> = outcome.announce.into_iter().collect();
         announce.extend(conflict_note(workload, account));
+        announce.extend(dns_note(workload, account));
         if workload.namespace_terminating {
             // The apiserver refuses new Events in a namespace being deleted.
             announce.clear();
@@ -244,6 +245,22 @@ fn conflict_note(workload: &Workload, account: Option<&ServiceAccount>) -> Optio
             account.losers.join(", "),
             workload.service_account.service_account
         ),
+    ))
+}
+
+/// Tells a live Deployment which DNS names its entry is made without, and why.
+fn dns_note(workload: &Workload, account: Option<&ServiceAccount>) -> Option<Announce> {
+    if workload.deleting {
+        return None;
+    }
+    let account = account?;
+    let SaState::Needs { .. } = &account.state else {
+        return None;
+    };
+    let note = account.dns_omitted.as_deref()?;
+    Some(Announce::warning(
+        "DNSNameOmitted",
+        format!("its entry is made without a DNS name: {note}"),
     ))
 }
 

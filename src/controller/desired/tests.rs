@@ -138,6 +138,7 @@ fn unevaluable_selectors_put_the_cluster_in_doubt_and_collisions_are_held() {
                 },
                 deployments: Vec::new(),
                 losers: Vec::new(),
+                dns_omitted: None,
             },
         );
     }

@@ -100,6 +100,7 @@ impl World {
                 state,
                 deployments: deployments.iter().map(|n| dk(ns, n)).collect(),
                 losers: Vec::new(),
+                dns_omitted: None,
             },
         );
     }

@@ -225,3 +225,44 @@ fn a_failed_write_is_counted_and_announced_once_if_a_later_sync_sees_it_landed()
         "settled once"
     );
 }
+
+#[test]
+fn a_dns_name_left_out_is_told_once_to_each_deployment_of_the_account() {
+    let mut w = World::new();
+    w.needs("a", "dotted.sa", &["one", "two"], "spiffe://td/p");
+    let note = "dnsNames template \"{serviceAccount}.svc\" left out";
+    w.desired
+        .service_accounts
+        .get_mut(&sa("a", "dotted.sa"))
+        .expect("the account")
+        .dns_omitted = Some(note.into());
+    let plan = w.decide(0);
+    w.apply(&plan);
+    let writes = w.writes(&plan, &Failures::new());
+    for name in ["one", "two"] {
+        let write = writes
+            .iter()
+            .find(|x| x.key == dk("a", name))
+            .expect("a write per Deployment");
+        let warning = write
+            .announce
+            .iter()
+            .find(|a| a.reason == "DNSNameOmitted")
+            .expect("the DNS warning");
+        assert!(
+            warning.warning && warning.note.contains(note),
+            "{warning:?}"
+        );
+        assert!(
+            write.change.entry_id.is_some(),
+            "the entry is recorded all the same"
+        );
+    }
+    let again = w.writes(&plan, &Failures::new());
+    assert!(
+        again
+            .iter()
+            .all(|x| x.announce.iter().all(|a| a.reason != "DNSNameOmitted")),
+        "told once: {again:?}"
+    );
+}
