@@ -61,3 +61,72 @@ impl SaKey {
         ]
     }
 }
+
+/// The built-in kinds of workload: objects with a Pod template whose Pods run as one service
+/// account. Every kind shares one index and one ref-count per (namespace, service account).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum WorkloadKind {
+    Deployment,
+    StatefulSet,
+    DaemonSet,
+    Job,
+    CronJob,
+}
+
+impl WorkloadKind {
+    pub const ALL: [WorkloadKind; 5] = [
+        WorkloadKind::Deployment,
+        WorkloadKind::StatefulSet,
+        WorkloadKind::DaemonSet,
+        WorkloadKind::Job,
+        WorkloadKind::CronJob,
+    ];
+
+    /// The kind's name, as in an object's `kind`.
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkloadKind::Deployment => "Deployment",
+            WorkloadKind::StatefulSet => "StatefulSet",
+            WorkloadKind::DaemonSet => "DaemonSet",
+            WorkloadKind::Job => "Job",
+            WorkloadKind::CronJob => "CronJob",
+        }
+    }
+
+    /// The list's `kind`.
+    pub fn list_name(self) -> &'static str {
+        match self {
+            WorkloadKind::Deployment => "DeploymentList",
+            WorkloadKind::StatefulSet => "StatefulSetList",
+            WorkloadKind::DaemonSet => "DaemonSetList",
+            WorkloadKind::Job => "JobList",
+            WorkloadKind::CronJob => "CronJobList",
+        }
+    }
+
+    /// `group/version`.
+    pub fn api_version(self) -> &'static str {
+        match self {
+            WorkloadKind::Deployment | WorkloadKind::StatefulSet | WorkloadKind::DaemonSet => {
+                "apps/v1"
+            }
+            WorkloadKind::Job | WorkloadKind::CronJob => "batch/v1",
+        }
+    }
+
+    /// The resource's plural, as in RBAC rules and URLs.
+    pub fn plural(self) -> &'static str {
+        match self {
+            WorkloadKind::Deployment => "deployments",
+            WorkloadKind::StatefulSet => "statefulsets",
+            WorkloadKind::DaemonSet => "daemonsets",
+            WorkloadKind::Job => "jobs",
+            WorkloadKind::CronJob => "cronjobs",
+        }
+    }
+
+    /// The cluster-wide collection's path on the apiserver.
+    pub fn api_path(self) -> String {
+        format!("/apis/{}/{}", self.api_version(), self.plural())
+    }
+}

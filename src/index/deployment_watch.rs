@@ -7,6 +7,7 @@
 
 use super::deployment::WatchedDeployment;
 use super::wire::{self, ApiStatus, WireError};
+use crate::keys::WorkloadKind;
 use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
 use http::{Request, StatusCode, header};
@@ -156,7 +157,7 @@ fn watch<'a>(
                     break;
                 }
             };
-            match wire::decode_event(frame) {
+            match wire::decode_event(WorkloadKind::Deployment, frame) {
                 Ok(wire::Event::Applied(object)) => {
                     version = object.metadata.resource_version.clone().unwrap_or(version);
                     backoff.reset();
@@ -199,7 +200,7 @@ async fn list_page(client: &Client, page: u32, token: &str) -> Result<wire::Page
     }
     let body = send(client, &uri, LIST_ACCEPT, WatchError::List).await?;
     let body = body.collect().await.map_err(WatchError::List)?.to_bytes();
-    Ok(wire::decode_page(body)?)
+    Ok(wire::decode_page(WorkloadKind::Deployment, body)?)
 }
 
 async fn start_watch(client: &Client, version: &str) -> Result<Body, WatchError> {

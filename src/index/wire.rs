@@ -1,16 +1,22 @@
-//! Deployments in Kubernetes' protobuf encoding, as the apiserver sends lists and watch events
-//! when asked for `application/vnd.kubernetes.protobuf`. Under kube-controller-manager almost
+//! Workloads (Deployments and the other built-in kinds) in Kubernetes' protobuf encoding, as
+//! the apiserver sends lists and watch events when asked for
+//! `application/vnd.kubernetes.protobuf`. Under kube-controller-manager almost
 //! every watch event is a status rewrite we drop, and decoding the JSON of a ~13 KB Deployment
 //! was about a third of the CPU each one cost us. Here only the fields a record is built from
 //! are declared: the rest (pod template, status, managed fields) are skipped by length, and
 //! the annotation values we do not keep (several KB of `last-applied-configuration`) are
 //! sliced, never copied or validated as UTF-8.
 //!
+//! Every kind is `{metadata = 1, spec = 2}`; only where the Pod template sits in `spec`
+//! differs (`template_path`), so one decoder serves them all: the spec is walked down that
+//! path field by field, everything beside it skipped unread.
+//!
 //! The field numbers are Kubernetes' `generated.proto` ones (stable: protobuf is a served wire
 //! format); `tests/fixtures/deployment-watch.pb` is a real apiserver's stream they are tested
 //! against.
 
 use super::deployment::{OUR_ANNOTATION_PREFIX, WatchedDeployment};
+use crate::keys::WorkloadKind;
 use bytes::{Buf, Bytes, BytesMut};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -94,15 +100,15 @@ pub fn split_frame(buffer: &mut BytesMut) -> Result<Option<Bytes>, WireError> {
     Ok(Some(buffer.split_to(length).freeze()))
 }
 
-/// Decodes one watch frame (the length prefix already taken off).
-pub fn decode_event(frame: Bytes) -> Result<Event, WireError> {
+/// Decodes one watch frame of `workload`s (the length prefix already taken off).
+pub fn decode_event(workload: WorkloadKind, frame: Bytes) -> Result<Event, WireError> {
     let WatchEvent { kind, object } = WatchEvent::decode(frame)?;
     let raw = object.ok_or(WireError::NoObject)?.raw;
     match kind.as_str() {
-        "ADDED" | "MODIFIED" => Ok(Event::Applied(deployment(raw)?)),
-        "DELETED" => Ok(Event::Deleted(deployment(raw)?)),
+        "ADDED" | "MODIFIED" => Ok(Event::Applied(object_of(workload, raw)?)),
+        "DELETED" => Ok(Event::Deleted(object_of(workload, raw)?)),
         "BOOKMARK" => {
-            let bookmark = deployment(raw)?;
+            let bookmark = object_of(workload, raw)?;
             Ok(Event::Bookmark(
                 bookmark.metadata.resource_version.unwrap_or_default(),
             ))
@@ -112,21 +118,58 @@ pub fn decode_event(frame: Bytes) -> Result<Event, WireError> {
     }
 }
 
-/// Decodes a list response's body.
-pub fn decode_page(body: Bytes) -> Result<Page, WireError> {
-    let raw = unwrap(body, "DeploymentList")?;
-    let DeploymentList { metadata, items } = DeploymentList::decode(raw)?;
+/// Decodes a list response's body of `workload`s.
+pub fn decode_page(workload: WorkloadKind, body: Bytes) -> Result<Page, WireError> {
+    let raw = unwrap(body, workload.list_name())?;
+    let WorkloadList { metadata, items } = WorkloadList::decode(raw)?;
     let metadata = metadata.unwrap_or_default();
     Ok(Page {
-        items: items.into_iter().map(Deployment::into_watched).collect(),
+        items: items
+            .into_iter()
+            .map(|item| item.into_watched(workload))
+            .collect(),
         resource_version: metadata.resource_version,
         continue_token: metadata.continue_token,
     })
 }
 
-fn deployment(raw: Bytes) -> Result<WatchedDeployment, WireError> {
-    let raw = unwrap(raw, "Deployment")?;
-    Ok(Deployment::decode(raw)?.into_watched())
+fn object_of(workload: WorkloadKind, raw: Bytes) -> Result<WatchedDeployment, WireError> {
+    let raw = unwrap(raw, workload.name())?;
+    Ok(Workload::decode(raw)?.into_watched(workload))
+}
+
+/// Where the Pod template sits in each kind's `spec`: field numbers, outermost first.
+fn template_path(workload: WorkloadKind) -> &'static [u32] {
+    match workload {
+        // DeploymentSpec.template, StatefulSetSpec.template
+        WorkloadKind::Deployment | WorkloadKind::StatefulSet => &[3],
+        // DaemonSetSpec.template
+        WorkloadKind::DaemonSet => &[2],
+        // JobSpec.template
+        WorkloadKind::Job => &[6],
+        // CronJobSpec.jobTemplate → JobTemplateSpec.spec → JobSpec.template
+        WorkloadKind::CronJob => &[5, 2, 6],
+    }
+}
+
+/// The last occurrence of length-delimited field `tag` in an encoded message, as a slice of
+/// it (a repeated embedded message is merged by protobuf; Kubernetes writes each once).
+fn field(mut message: Bytes, tag: u32) -> Option<Bytes> {
+    use prost::encoding::{DecodeContext, WireType, decode_key, decode_varint, skip_field};
+    let mut found = None;
+    while message.has_remaining() {
+        let (at, wire_type) = decode_key(&mut message).ok()?;
+        if at == tag && wire_type == WireType::LengthDelimited {
+            let length = usize::try_from(decode_varint(&mut message).ok()?).ok()?;
+            if length > message.remaining() {
+                return None;
+            }
+            found = Some(message.split_to(length));
+        } else {
+            skip_field(wire_type, at, &mut message, DecodeContext::default()).ok()?;
+        }
+    }
+    found
 }
 
 /// Decodes a Status: an error response's body, or an ERROR event's object.
@@ -202,11 +245,11 @@ struct Status {
 }
 
 #[derive(Clone, PartialEq, Message)]
-struct DeploymentList {
+struct WorkloadList {
     #[prost(message, optional, tag = "1")]
     metadata: Option<ListMeta>,
     #[prost(message, repeated, tag = "2")]
-    items: Vec<Deployment>,
+    items: Vec<Workload>,
 }
 
 #[derive(Clone, PartialEq, Message)]
@@ -217,12 +260,13 @@ struct ListMeta {
     continue_token: String,
 }
 
+/// Any workload kind: its spec is kept encoded and walked to the Pod template.
 #[derive(Clone, PartialEq, Message)]
-struct Deployment {
+struct Workload {
     #[prost(message, optional, tag = "1")]
     metadata: Option<Meta>,
-    #[prost(message, optional, tag = "2")]
-    spec: Option<DeploymentSpec>,
+    #[prost(bytes = "bytes", optional, tag = "2")]
+    spec: Option<Bytes>,
 }
 
 #[derive(Clone, PartialEq, Message)]
@@ -266,12 +310,6 @@ struct ProtoTime {
 }
 
 #[derive(Clone, PartialEq, Message)]
-struct DeploymentSpec {
-    #[prost(message, optional, tag = "3")]
-    template: Option<PodTemplateSpec>,
-}
-
-#[derive(Clone, PartialEq, Message)]
 struct PodTemplateSpec {
     #[prost(message, optional, tag = "2")]
     spec: Option<PodSpec>,
@@ -285,10 +323,17 @@ struct PodSpec {
     service_account: Option<String>,
 }
 
-impl Deployment {
-    fn into_watched(self) -> WatchedDeployment {
+impl Workload {
+    fn into_watched(self, workload: WorkloadKind) -> WatchedDeployment {
         let meta = self.metadata.unwrap_or_default();
-        let pod = self.spec.and_then(|s| s.template).and_then(|t| t.spec);
+        let template = template_path(workload)
+            .iter()
+            .try_fold(self.spec.unwrap_or_default(), |inner, tag| {
+                field(inner, *tag)
+            });
+        let pod = template
+            .and_then(|t| PodTemplateSpec::decode(t).ok())
+            .and_then(|t| t.spec);
         let (service_account_name, service_account) = pod.map_or((None, None), |p| {
             (p.service_account_name, p.service_account)
         });
@@ -367,7 +412,7 @@ pub mod testing {
     }
 
     fn deployment(name: &str, resource_version: &str) -> Vec<u8> {
-        Deployment {
+        Workload {
             metadata: Some(Meta {
                 name: Some(name.into()),
                 namespace: Some("a".into()),
@@ -415,14 +460,14 @@ pub mod testing {
 
     /// A list response's body: Deployments `a/name` at resourceVersion 1.
     pub fn page(names: &[&str], resource_version: &str, continue_token: &str) -> Bytes {
-        let list = DeploymentList {
+        let list = WorkloadList {
             metadata: Some(ListMeta {
                 resource_version: resource_version.into(),
                 continue_token: continue_token.into(),
             }),
             items: names
                 .iter()
-                .map(|name| Deployment::decode(&deployment(name, "1")[..]).expect("round trip"))
+                .map(|name| Workload::decode(&deployment(name, "1")[..]).expect("round trip"))
                 .collect(),
         };
         enveloped("DeploymentList", list.encode_to_vec())
@@ -458,7 +503,7 @@ mod tests {
     fn protobuf_and_json_watches_of_the_same_changes_give_the_same_records() {
         let events: Vec<Event> = frames(BytesMut::from(WATCH_PB))
             .into_iter()
-            .map(|frame| decode_event(frame).expect("decodes"))
+            .map(|frame| decode_event(WorkloadKind::Deployment, frame).expect("decodes"))
             .collect();
         let json: Vec<kube::api::WatchEvent<WatchedDeployment>> = WATCH_JSON
             .lines()
@@ -500,7 +545,7 @@ mod tests {
         let Some(Event::Applied(first)) = frames(BytesMut::from(WATCH_PB))
             .into_iter()
             .next()
-            .map(|frame| decode_event(frame).expect("decodes"))
+            .map(|frame| decode_event(WorkloadKind::Deployment, frame).expect("decodes"))
         else {
             panic!("MODIFIED first")
         };
@@ -572,7 +617,8 @@ mod tests {
                 raw: [MAGIC, &envelope.encode_to_vec()].concat().into(),
             }),
         };
-        let Event::Failed(status) = decode_event(event.encode_to_vec().into()).expect("decodes")
+        let Event::Failed(status) =
+            decode_event(WorkloadKind::Deployment, event.encode_to_vec().into()).expect("decodes")
         else {
             panic!("an ERROR event is a failure")
         };
@@ -588,13 +634,115 @@ mod tests {
             b"\xff\xff",
         ] {
             assert!(
-                decode_event(Bytes::copy_from_slice(bytes)).is_err(),
+                decode_event(WorkloadKind::Deployment, Bytes::copy_from_slice(bytes)).is_err(),
                 "{bytes:?}"
             );
         }
         assert!(matches!(
-            decode_page(Bytes::from_static(b"{\"kind\":\"DeploymentList\"}")),
+            decode_page(
+                WorkloadKind::Deployment,
+                Bytes::from_static(b"{\"kind\":\"DeploymentList\"}")
+            ),
             Err(WireError::NoMagic)
         ));
+    }
+    /// `inner` as length-delimited field `tag`.
+    fn wrapped(tag: u32, inner: Vec<u8>) -> Vec<u8> {
+        use prost::encoding::{WireType, encode_key, encode_varint};
+        let mut out = Vec::new();
+        encode_key(tag, WireType::LengthDelimited, &mut out);
+        encode_varint(inner.len() as u64, &mut out);
+        out.extend(inner);
+        out
+    }
+
+    /// Fields beside the template at every level, which the walk must step over: a varint and
+    /// a length-delimited one, at tags no kind uses.
+    fn beside() -> Vec<u8> {
+        use prost::encoding::{WireType, encode_key, encode_varint};
+        let mut out = Vec::new();
+        encode_key(98, WireType::Varint, &mut out);
+        encode_varint(300, &mut out);
+        out.extend(wrapped(99, b"not the template".to_vec()));
+        out
+    }
+
+    #[test]
+    fn every_kind_yields_the_service_account_of_its_pod_template() {
+        for kind in WorkloadKind::ALL {
+            let service_account = format!("sa-of-{}", kind.plural());
+            let mut spec = PodTemplateSpec {
+                spec: Some(PodSpec {
+                    service_account_name: Some(service_account.clone()),
+                    service_account: None,
+                }),
+            }
+            .encode_to_vec();
+            for tag in template_path(kind).iter().rev() {
+                let mut level = beside();
+                level.extend(wrapped(*tag, spec));
+                level.extend(beside());
+                spec = level;
+            }
+            let object = Workload {
+                metadata: Some(Meta {
+                    name: Some("w".into()),
+                    namespace: Some("a".into()),
+                    resource_version: Some("7".into()),
+                    ..Meta::default()
+                }),
+                spec: Some(spec.into()),
+            };
+            let envelope = |kind: &str, raw: Vec<u8>| -> Bytes {
+                let unknown = Unknown {
+                    type_meta: Some(TypeMeta { kind: kind.into() }),
+                    raw: raw.into(),
+                };
+                [MAGIC, &unknown.encode_to_vec()].concat().into()
+            };
+            let event = WatchEvent {
+                kind: "ADDED".into(),
+                object: Some(RawExtension {
+                    raw: envelope(kind.name(), object.encode_to_vec()),
+                }),
+            };
+            let Event::Applied(watched) =
+                decode_event(kind, event.encode_to_vec().into()).expect("decodes")
+            else {
+                panic!("{kind:?}: not an applied event");
+            };
+            assert_eq!(
+                &*watched.record().service_account,
+                service_account,
+                "{kind:?}"
+            );
+            let list = WorkloadList {
+                metadata: Some(ListMeta::default()),
+                items: vec![object],
+            };
+            let page = decode_page(kind, envelope(kind.list_name(), list.encode_to_vec()))
+                .expect("decodes");
+            assert_eq!(
+                &*page.items[0].record().service_account,
+                service_account,
+                "{kind:?} in a list"
+            );
+            // The other kinds' names are refused: a watch never mixes kinds.
+            let other = WorkloadKind::ALL
+                .into_iter()
+                .find(|k| *k != kind)
+                .expect("five");
+            assert!(decode_event(other, event.encode_to_vec().into()).is_err());
+        }
+    }
+
+    #[test]
+    fn a_kind_without_a_pod_template_runs_as_the_default_service_account() {
+        let object = Workload {
+            metadata: Some(Meta::default()),
+            spec: Some(beside().into()),
+        };
+        let watched = object.into_watched(WorkloadKind::CronJob);
+        assert_eq!(&*watched.record().service_account, "default");
     }
 }

@@ -28,6 +28,7 @@ use realistic::deployment_json;
 use serde_json::{Value, json};
 use spiffe_registrar::index::deployment::WatchedDeployment;
 use spiffe_registrar::index::{store, wire};
+use spiffe_registrar::keys::WorkloadKind;
 use spiffe_registrar::policy::SpiffeRegistration;
 use spiffe_registrar::spire::Ownership;
 use spiffe_registrar::webhook::metrics::WebhookMetrics;
@@ -161,7 +162,8 @@ async fn main() {
     })
     .await;
     let protobuf_us = per_call(events, |i| {
-        let event = wire::decode_event(frames[i % frames.len()].clone()).expect("a watch event");
+        let event = wire::decode_event(WorkloadKind::Deployment, frames[i % frames.len()].clone())
+            .expect("a watch event");
         let wire::Event::Applied(object) = event else {
             panic!("MODIFIED only");
         };
