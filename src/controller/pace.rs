@@ -1,6 +1,6 @@
 //! When the leader syncs next and how much it derives: retry backoff, the full sync owed
-//! after syncs of changed service accounts, and the pacing of drift checks by what a count
-//! costs SPIRE. Pure: the loop asks, this answers.
+//! after syncs of changed service accounts, the pacing of drift checks by what a count costs
+//! SPIRE, and since when SPIRE has failed (`SpireHealth`). Pure: the loop asks, this answers.
 
 use crate::index::Changed;
 use crate::keys::SaKey;
