@@ -140,16 +140,12 @@ async fn the_alias_is_kept_repaired_and_moved_make_before_break() {
     stack
         .spire_server
         .cli_ok(&["entry", "delete"], &["-entryID", &alias.id]);
-    let repaired = tokio::time::timeout(Duration::from_secs(90), async {
-        loop {
-            if let Some(back) = ours(&socket).await.into_iter().find(|e| e.id == alias.id) {
-                return back;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    })
-    .await
-    .expect("the alias is created again");
+    let repaired = eventually(
+        "the alias created again",
+        Duration::from_secs(90),
+        || async { ours(&socket).await.into_iter().find(|e| e.id == alias.id) },
+    )
+    .await;
     assert_eq!(repaired.selectors, alias.selectors);
 
     // A new k8s_psat name: the new alias and entries are made before the old ones go, and

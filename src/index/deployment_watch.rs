@@ -17,7 +17,8 @@ use kube::client::Body;
 use kube::runtime::watcher::Event;
 use std::time::Duration;
 
-const PATH: &str = "/apis/apps/v1/deployments";
+/// The only kind watched in protobuf so far.
+const KIND: WorkloadKind = WorkloadKind::Deployment;
 const LIST_ACCEPT: &str = "application/vnd.kubernetes.protobuf";
 const WATCH_ACCEPT: &str = "application/vnd.kubernetes.protobuf;stream=watch";
 /// The apiserver ends each watch after this long (kube-runtime's default); we resume from the
@@ -157,7 +158,7 @@ fn watch<'a>(
                     break;
                 }
             };
-            match wire::decode_event(WorkloadKind::Deployment, frame) {
+            match wire::decode_event(KIND, frame) {
                 Ok(wire::Event::Applied(object)) => {
                     version = object.metadata.resource_version.clone().unwrap_or(version);
                     backoff.reset();
@@ -193,19 +194,20 @@ fn watch<'a>(
 }
 
 async fn list_page(client: &Client, page: u32, token: &str) -> Result<wire::Page, WatchError> {
-    let mut uri = format!("{PATH}?limit={page}");
+    let mut uri = format!("{}?limit={page}", KIND.api_path());
     if !token.is_empty() {
         uri.push_str("&continue=");
         uri.push_str(&percent_encode(token));
     }
     let body = send(client, &uri, LIST_ACCEPT, WatchError::List).await?;
     let body = body.collect().await.map_err(WatchError::List)?.to_bytes();
-    Ok(wire::decode_page(WorkloadKind::Deployment, body)?)
+    Ok(wire::decode_page(KIND, body)?)
 }
 
 async fn start_watch(client: &Client, version: &str) -> Result<Body, WatchError> {
     let uri = format!(
-        "{PATH}?watch=1&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}&resourceVersion={}",
+        "{}?watch=1&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}&resourceVersion={}",
+        KIND.api_path(),
         percent_encode(version)
     );
     send(client, &uri, WATCH_ACCEPT, WatchError::WatchStart).await
