@@ -3,6 +3,7 @@
 
 use crate::certs::{CertSource, SecretSettings};
 use crate::controller::decide::DecideSettings;
+use crate::keys::WorkloadKind;
 use crate::leader::ElectionSettings;
 use crate::policy::OptIn;
 use crate::spire::{ClientSettings, Ownership, SpireEndpoint};
@@ -48,6 +49,18 @@ pub struct RunArgs {
         default_value = "spiffe.io/registrar=enabled"
     )]
     pub namespace_label: String,
+
+    /// The kinds of workload registered (comma-separated): watched by the controller and
+    /// stamped by the webhook. Each needs get/list/watch/patch in the registrar's RBAC and a
+    /// rule in the webhook configuration; the manifests grant all five.
+    #[arg(
+        long,
+        env = "REGISTRAR_WORKLOAD_KINDS",
+        value_delimiter = ',',
+        default_value = "Deployment,StatefulSet,DaemonSet,Job,CronJob",
+        value_parser = parse_kind
+    )]
+    pub workload_kinds: Vec<WorkloadKind>,
 
     /// HTTPS address of the admission webhook.
     #[arg(long, env = "REGISTRAR_WEBHOOK_ADDR", default_value = "0.0.0.0:8443")]
@@ -257,6 +270,17 @@ impl SpireArgs {
     }
 }
 
+/// A workload kind by name or plural, any case.
+pub fn parse_kind(text: &str) -> Result<WorkloadKind, String> {
+    WorkloadKind::parse(text.trim()).ok_or_else(|| {
+        let known: Vec<_> = WorkloadKind::ALL.iter().map(|k| k.name()).collect();
+        format!(
+            "{text:?} is not a workload kind; known: {}",
+            known.join(", ")
+        )
+    })
+}
+
 /// A flag's duration, in the same grammar as the CRD's TTL (`policy::duration`): 90s, 15m,
 /// 2160h, 1h30m.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -279,6 +303,8 @@ pub enum ConfigError {
     BatchSize(usize),
     #[error("--resync-interval must be at least 10s")]
     Resync,
+    #[error("--workload-kinds names no kind")]
+    NoWorkloadKinds,
     #[error("--deletion-brake-fraction must be between 0 and 1, got {0}")]
     BrakeFraction(f64),
     #[error("leader election flags: {0}")]
@@ -292,6 +318,8 @@ pub struct Settings {
     pub cluster: ClusterArgs,
     pub decide: DecideSettings,
     pub opt_in: OptIn,
+    /// Registered kinds, each once, in `WorkloadKind::ALL`'s order.
+    pub workload_kinds: Vec<WorkloadKind>,
     pub webhook_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub certs: CertSource,
@@ -344,6 +372,12 @@ impl RunArgs {
                 serving_lifetime: self.serving_cert_validity,
             }),
         };
+        let mut workload_kinds = self.workload_kinds.clone();
+        workload_kinds.sort();
+        workload_kinds.dedup();
+        if workload_kinds.is_empty() {
+            return Err(ConfigError::NoWorkloadKinds);
+        }
         let spire = self.spire.endpoint()?;
         if !(1..=1000).contains(&self.spire_batch_size) {
             return Err(ConfigError::BatchSize(self.spire_batch_size));
@@ -375,6 +409,7 @@ impl RunArgs {
                 adopt: self.adopt_equivalent_entries,
             },
             opt_in,
+            workload_kinds,
             webhook_addr: self.webhook_addr,
             admin_addr: self.admin_addr,
             certs,
@@ -405,5 +440,14 @@ mod tests {
         assert!(parse_duration("1.5h").is_err());
         assert!(parse_duration("h").is_err());
         assert!(parse_duration("5").is_err());
+    }
+
+    #[test]
+    fn workload_kinds_by_name_or_plural() {
+        assert_eq!(parse_kind("StatefulSet"), Ok(WorkloadKind::StatefulSet));
+        assert_eq!(parse_kind(" cronjobs"), Ok(WorkloadKind::CronJob));
+        assert_eq!(parse_kind("job"), Ok(WorkloadKind::Job));
+        let error = parse_kind("ReplicaSet").expect_err("not a workload kind");
+        assert!(error.contains("Deployment, StatefulSet"), "{error}");
     }
 }

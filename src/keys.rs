@@ -1,22 +1,29 @@
-//! The keys everything is grouped by: a Deployment (`namespace/name`) and the identity it
+//! The keys everything is grouped by: a workload (kind, `namespace/name`) and the identity it
 //! runs as (`namespace/service account`). Below both the index and the controller, so that
 //! neither has to reach into the other for them.
 
 use crate::spire::{Entry, Selector};
 use std::sync::Arc;
 
-/// `namespace/name` of a Deployment. Shared strings: keys are cloned into every per-sync
-/// map and into `decide::Memory`, and at 50,000 Deployments a copy each time would be most
-/// of a sync's allocations.
+/// A workload: its kind and `namespace/name` (a StatefulSet and a Deployment may share a
+/// name). Shared strings: keys are cloned into every per-sync map and into
+/// `decide::Memory`, and at 50,000 workloads a copy each time would be most of a sync's
+/// allocations.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct DeploymentKey {
+pub struct WorkloadKey {
+    pub kind: WorkloadKind,
     pub namespace: Arc<str>,
     pub name: Arc<str>,
 }
 
-impl std::fmt::Display for DeploymentKey {
+/// `namespace/name` for a Deployment (what every log and Event has always said), `Kind
+/// namespace/name` for the other kinds.
+impl std::fmt::Display for WorkloadKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
+        match self.kind {
+            WorkloadKind::Deployment => write!(f, "{}/{}", self.namespace, self.name),
+            kind => write!(f, "{} {}/{}", kind.name(), self.namespace, self.name),
+        }
     }
 }
 
@@ -125,8 +132,88 @@ impl WorkloadKind {
         }
     }
 
+    /// The API group (the part of `api_version` before the slash).
+    pub fn group(self) -> &'static str {
+        self.api_version()
+            .split_once('/')
+            .map_or("", |(group, _)| group)
+    }
+
+    /// The version (the part of `api_version` after the slash).
+    pub fn version(self) -> &'static str {
+        self.api_version()
+            .split_once('/')
+            .map_or("", |(_, version)| version)
+    }
+
     /// The cluster-wide collection's path on the apiserver.
     pub fn api_path(self) -> String {
         format!("/apis/{}/{}", self.api_version(), self.plural())
+    }
+
+    /// What kube's dynamic API needs to reach the kind.
+    pub fn api_resource(self) -> kube::api::ApiResource {
+        let gvk = kube::api::GroupVersionKind::gvk(self.group(), self.version(), self.name());
+        kube::api::ApiResource::from_gvk_with_plural(&gvk, self.plural())
+    }
+
+    /// The kind an admission request or a flag names, by group, version and kind.
+    pub fn from_gvk(group: &str, version: &str, kind: &str) -> Option<WorkloadKind> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.group() == group && k.version() == version && k.name() == kind)
+    }
+
+    /// The kind a flag or a policy names (`Deployment`, `statefulset`, `jobs`: kind or
+    /// plural, any case).
+    pub fn parse(name: &str) -> Option<WorkloadKind> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name().eq_ignore_ascii_case(name) || k.plural().eq_ignore_ascii_case(name))
+    }
+}
+
+impl std::fmt::Display for WorkloadKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_are_found_by_group_version_kind_and_by_name() {
+        for kind in WorkloadKind::ALL {
+            assert_eq!(
+                WorkloadKind::from_gvk(kind.group(), kind.version(), kind.name()),
+                Some(kind)
+            );
+            assert_eq!(WorkloadKind::parse(kind.plural()), Some(kind));
+            assert_eq!(
+                kind.api_resource().api_version,
+                kind.api_version(),
+                "{kind}"
+            );
+        }
+        assert_eq!(
+            WorkloadKind::from_gvk("apps", "v1beta1", "Deployment"),
+            None
+        );
+        assert_eq!(WorkloadKind::from_gvk("batch", "v1", "Deployment"), None);
+        assert_eq!(WorkloadKind::from_gvk("apps", "v1", "ReplicaSet"), None);
+        assert_eq!(WorkloadKind::Job.api_path(), "/apis/batch/v1/jobs");
+    }
+
+    #[test]
+    fn a_deployment_reads_as_before_and_other_kinds_name_themselves() {
+        let key = |kind| WorkloadKey {
+            kind,
+            namespace: "shop".into(),
+            name: "web".into(),
+        };
+        assert_eq!(key(WorkloadKind::Deployment).to_string(), "shop/web");
+        assert_eq!(key(WorkloadKind::CronJob).to_string(), "CronJob shop/web");
     }
 }

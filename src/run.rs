@@ -107,13 +107,11 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
         client.clone(),
         settings.opt_in.clone(),
         ownership.clone(),
+        &settings.workload_kinds,
         trigger.clone(),
         readiness.handle("caches"),
     );
-    for (name, task) in ["namespace watch", "policy watch", "deployment watch"]
-        .into_iter()
-        .zip(watch_tasks)
-    {
+    for (name, task) in watch_tasks {
         tasks.watch(name, task);
     }
     if settings.controller {
@@ -218,7 +216,7 @@ async fn supervise_until_shutdown(
         ended = tasks.first_to_end() => (!shutdown.is_cancelled()).then_some(ended),
     };
     if let Some(ended) = &failure {
-        tracing::error!(task = ended.task, how = %ended.how, "a long-lived task ended; not ready, exiting so the pod is restarted");
+        tracing::error!(task = %ended.task, how = %ended.how, "a long-lived task ended; not ready, exiting so the pod is restarted");
         readiness.fail(ended.to_string());
         shutdown.cancel();
         // Long enough for a probe to see the reason, short enough to restart promptly.
@@ -326,6 +324,7 @@ pub async fn plan(settings: Settings) -> Result<String, PlanError> {
         client,
         settings.opt_in.clone(),
         ownership.clone(),
+        &settings.workload_kinds,
         Arc::new(Notify::new()),
         readiness.handle("caches"),
     );
@@ -341,7 +340,7 @@ pub async fn plan(settings: Settings) -> Result<String, PlanError> {
     );
     let controller_settings = controller_settings(&settings, ownership.clone());
     let out = crate::controller::preview(&controller_settings, &index, &api).await;
-    for task in tasks {
+    for (_, task) in tasks {
         task.abort();
     }
     connection.shutdown().await;

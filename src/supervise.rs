@@ -5,6 +5,7 @@
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use std::borrow::Cow;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 
@@ -23,7 +24,7 @@ pub enum Ended {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("task {task:?} {how}")]
 pub struct TaskEnded {
-    pub task: &'static str,
+    pub task: Cow<'static, str>,
     pub how: Ended,
 }
 
@@ -39,13 +40,14 @@ type Named = std::pin::Pin<Box<dyn Future<Output = TaskEnded> + Send>>;
 
 impl Supervisor {
     /// Watches a task that runs until the process stops; aborted at shutdown.
-    pub fn watch(&mut self, task: &'static str, handle: JoinHandle<()>) {
+    pub fn watch(&mut self, task: impl Into<Cow<'static, str>>, handle: JoinHandle<()>) {
         self.abort_at_shutdown.push(handle.abort_handle());
         self.watch_graceful(task, handle);
     }
 
     /// Watches a task that ends by itself on shutdown (it is waited for).
-    pub fn watch_graceful(&mut self, task: &'static str, handle: JoinHandle<()>) {
+    pub fn watch_graceful(&mut self, task: impl Into<Cow<'static, str>>, handle: JoinHandle<()>) {
+        let task = task.into();
         self.running.push(Box::pin(async move {
             let how = match handle.await {
                 Ok(()) => Ended::Returned,
@@ -104,7 +106,7 @@ mod tests {
         assert_eq!(
             ended,
             TaskEnded {
-                task: "panics",
+                task: "panics".into(),
                 how: Ended::Panicked("boom".into())
             }
         );

@@ -3,8 +3,9 @@
 //!
 //! 1. Refuse while a replica still leads: its controller would stamp the finalizers back.
 //! 2. Delete the webhook configuration, so no admission adds them back either.
-//! 3. Remove our finalizer and annotations from every Deployment (guarded JSON Patches, the
-//!    controller's own builder), so `kubectl delete` of a Deployment or namespace completes.
+//! 3. Remove our finalizer and annotations from every workload of every built-in kind (guarded
+//!    JSON Patches, the controller's own builder), so `kubectl delete` of a workload or a
+//!    namespace completes.
 //! 4. Only with `--delete-entries`, delete our SPIRE entries. By default workloads keep their
 //!    identities: the operator may be moving to another registrar, and an entry deleted by
 //!    mistake takes identities away from running workloads.
@@ -13,16 +14,16 @@
 
 use crate::config::{ClusterArgs, ConfigError, InstallationArgs, SpireArgs};
 use crate::controller::decide::MetadataChange;
-use crate::controller::record::patch_metadata;
-use crate::index::DeploymentRecord;
+use crate::controller::record::{api_of, patch_metadata};
+use crate::index::WorkloadRecord;
+use crate::keys::WorkloadKind;
 use crate::leader::LEASE_NAME;
 use crate::spire::metrics::SpireMetrics;
 use crate::spire::{ClientSettings, EntryApi, GrpcEntryClient, Ownership, SpireError, connect};
 use clap::Args;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::{DeleteParams, ListParams};
+use kube::api::{DeleteParams, DynamicObject, ListParams};
 use kube::{Api, Client};
 use std::fmt;
 use std::time::Duration;
@@ -81,8 +82,8 @@ pub enum UninstallError {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Report {
     pub webhook_configuration_deleted: bool,
-    /// Deployments that carried our finalizer or annotations and now do not.
-    pub deployments_cleaned: usize,
+    /// Workloads (of every kind) that carried our finalizer or annotations and now do not.
+    pub workloads_cleaned: usize,
     /// `None`: entries were not touched (no `--delete-entries`).
     pub entries_deleted: Option<usize>,
 }
@@ -96,8 +97,8 @@ impl fmt::Display for Report {
         }
         writeln!(
             f,
-            "removed our finalizer and annotations from {} Deployments",
-            self.deployments_cleaned
+            "removed our finalizer and annotations from {} workloads",
+            self.workloads_cleaned
         )?;
         match self.entries_deleted {
             Some(count) => writeln!(f, "deleted {count} SPIRE entries"),
@@ -132,7 +133,7 @@ pub async fn uninstall(args: UninstallArgs) -> Result<Report, UninstallError> {
             &webhook_configuration,
         )
         .await?,
-        deployments_cleaned: clean_deployments(&client).await?,
+        workloads_cleaned: clean_workloads(&client).await?,
         entries_deleted: None,
     };
     if let Some(endpoint) = spire {
@@ -177,15 +178,24 @@ async fn delete_webhook_configuration(client: &Client, name: &str) -> Result<boo
     }
 }
 
-/// Pages through every Deployment's metadata and cleans those that carry anything of ours.
-async fn clean_deployments(client: &Client) -> Result<usize, UninstallError> {
-    let all: Api<Deployment> = Api::all(client.clone());
+/// Every kind's workloads cleaned: how many carried something of ours.
+async fn clean_workloads(client: &Client) -> Result<usize, UninstallError> {
+    let mut cleaned = 0;
+    for kind in WorkloadKind::ALL {
+        cleaned += clean_kind(client, kind).await?;
+    }
+    Ok(cleaned)
+}
+
+/// Pages through every `kind`'s metadata and cleans those that carry anything of ours.
+async fn clean_kind(client: &Client, kind: WorkloadKind) -> Result<usize, UninstallError> {
+    let all: Api<DynamicObject> = Api::all_with(client.clone(), &kind.api_resource());
     let mut params = ListParams::default().limit(500);
     let (mut cleaned, mut failed, mut first) = (0, 0, None);
     loop {
         let page = all.list_metadata(&params).await?;
         for meta in page.items {
-            let record = record_of(meta.metadata);
+            let record = WorkloadRecord::from_metadata(kind, &meta.metadata);
             if !carries_ours(&record) {
                 continue;
             }
@@ -205,7 +215,7 @@ async fn clean_deployments(client: &Client) -> Result<usize, UninstallError> {
     match first {
         None => Ok(cleaned),
         Some(first) => Err(UninstallError::Incomplete {
-            what: "Deployments",
+            what: kind.plural(),
             failed,
             total: cleaned + failed,
             first,
@@ -213,15 +223,7 @@ async fn clean_deployments(client: &Client) -> Result<usize, UninstallError> {
     }
 }
 
-fn record_of(metadata: kube::api::ObjectMeta) -> DeploymentRecord {
-    // The pod template is not needed: only metadata is patched.
-    DeploymentRecord::from(&Deployment {
-        metadata,
-        ..Deployment::default()
-    })
-}
-
-fn carries_ours(record: &DeploymentRecord) -> bool {
+fn carries_ours(record: &WorkloadRecord) -> bool {
     record.has_finalizer() || record.spiffe_id().is_some() || record.entry_id().is_some()
 }
 
@@ -232,22 +234,24 @@ const EVERYTHING_OURS: MetadataChange = MetadataChange {
     entry_id: Some(None),
 };
 
-/// One Deployment; a patch whose guard failed (someone else changed the finalizers meanwhile)
+/// One workload; a patch whose guard failed (someone else changed the finalizers meanwhile)
 /// is retried on the object as it is now.
-async fn clean(client: &Client, mut record: DeploymentRecord) -> Result<(), kube::Error> {
-    let api: Api<Deployment> = Api::namespaced(client.clone(), &record.namespace);
+async fn clean(client: &Client, mut record: WorkloadRecord) -> Result<(), kube::Error> {
+    let api = api_of(client, &record);
     let mut attempts = 0;
     loop {
         attempts += 1;
         match patch_metadata(client, &record, &EVERYTHING_OURS).await {
             Ok(_) => {
-                tracing::info!(namespace = %record.namespace, deployment = %record.name, "cleaned");
+                tracing::info!(kind = %record.kind, namespace = %record.namespace, deployment = %record.name, "cleaned");
                 return Ok(());
             }
             Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
             Err(kube::Error::Api(status)) if status.code == 422 && attempts < 5 => {
                 match api.get_metadata_opt(&record.name).await? {
-                    Some(current) => record = record_of(current.metadata),
+                    Some(current) => {
+                        record = WorkloadRecord::from_metadata(record.kind, &current.metadata)
+                    }
                     None => return Ok(()),
                 }
             }
@@ -320,8 +324,8 @@ mod tests {
     }
 
     #[test]
-    fn only_deployments_carrying_something_of_ours_are_touched() {
-        /// Finalizers, annotations, and whether uninstall touches the Deployment.
+    fn only_workloads_carrying_something_of_ours_are_touched() {
+        /// Finalizers, annotations, and whether uninstall touches the workload.
         type Case<'a> = (Option<&'a [&'a str]>, &'a [(&'a str, &'a str)], bool);
         let cases: &[Case] = &[
             (None, &[], false),
@@ -331,7 +335,10 @@ mod tests {
             (None, &[(ENTRY_ID_ANNOTATION, "id")], true),
         ];
         for (finalizers, annotations, expected) in cases {
-            let record = record_of(meta(*finalizers, annotations));
+            let record = WorkloadRecord::from_metadata(
+                WorkloadKind::StatefulSet,
+                &meta(*finalizers, annotations),
+            );
             assert_eq!(
                 carries_ours(&record),
                 *expected,
@@ -342,14 +349,17 @@ mod tests {
 
     #[test]
     fn the_patch_removes_ours_and_keeps_everything_else() {
-        let record = record_of(meta(
-            Some(&["other.io/keep", FINALIZER]),
-            &[
-                ("app", "x"),
-                (SPIFFE_ID_ANNOTATION, "spiffe://td/x"),
-                (ENTRY_ID_ANNOTATION, "id"),
-            ],
-        ));
+        let record = WorkloadRecord::from_metadata(
+            WorkloadKind::StatefulSet,
+            &meta(
+                Some(&["other.io/keep", FINALIZER]),
+                &[
+                    ("app", "x"),
+                    (SPIFFE_ID_ANNOTATION, "spiffe://td/x"),
+                    (ENTRY_ID_ANNOTATION, "id"),
+                ],
+            ),
+        );
         let ops = operations(&record, &EVERYTHING_OURS);
         assert_eq!(
             serde_json::to_value(ops).expect("serializes"),
@@ -366,17 +376,17 @@ mod tests {
     fn the_report_says_whether_entries_were_kept() {
         let kept = Report {
             webhook_configuration_deleted: true,
-            deployments_cleaned: 3,
+            workloads_cleaned: 3,
             entries_deleted: None,
         }
         .to_string();
         assert!(
-            kept.contains("from 3 Deployments") && kept.contains("--delete-entries"),
+            kept.contains("from 3 workloads") && kept.contains("--delete-entries"),
             "{kept}"
         );
         let deleted = Report {
             webhook_configuration_deleted: false,
-            deployments_cleaned: 0,
+            workloads_cleaned: 0,
             entries_deleted: Some(4),
         }
         .to_string();

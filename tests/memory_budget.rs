@@ -19,8 +19,8 @@ use spiffe_registrar::controller::decide::{self, DecideSettings, Memory};
 use spiffe_registrar::controller::desired;
 use spiffe_registrar::controller::view::SpireView;
 use spiffe_registrar::index::NamespaceInfo;
-use spiffe_registrar::index::deployment::WatchedDeployment;
 use spiffe_registrar::index::store;
+use spiffe_registrar::index::workload::WatchedWorkload;
 use spiffe_registrar::keys::SaKey;
 use spiffe_registrar::policy::{OptIn, SpiffeRegistration};
 use spiffe_registrar::spire::types::{DeleteResult, EntryResult};
@@ -135,7 +135,7 @@ async fn each_structure_stays_within_its_budget_per_deployment() {
     // The cache, filled the way the watch fills it: decoded from the apiserver's JSON. A
     // cold start: nothing is registered yet.
     let (deployments, writer) = store::store();
-    let decoded = |i: usize, registered: bool| -> WatchedDeployment {
+    let decoded = |i: usize, registered: bool| -> WatchedWorkload {
         serde_json::from_slice(&deployment_json(i, NAMESPACES, &ownership, registered))
             .expect("decodes")
     };
@@ -223,7 +223,7 @@ async fn each_structure_stays_within_its_budget_per_deployment() {
 /// that drains each hand-over at once (the real one holds at most its queue's bound); how
 /// many Deployments it would write.
 async fn sync(
-    deployments: &store::DeploymentStore,
+    deployments: &store::WorkloadStore,
     policies: &[Arc<SpiffeRegistration>],
     ownership: &Ownership,
     view: &mut SpireView,

@@ -557,7 +557,7 @@ fn the_check_sees_what_it_checks() {
         has("controller::sync", "controller::decide::memory"),
         "re-exports are followed"
     );
-    assert!(has("index::deployment", "keys"), "crate:: paths are seen");
+    assert!(has("index::workload", "keys"), "crate:: paths are seen");
     assert!(
         has("controller::decide::spire_plan", "controller::decide::plan"),
         "super:: paths are seen"

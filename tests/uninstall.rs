@@ -115,7 +115,7 @@ async fn uninstall_leaves_nothing_stuck_and_deletes_only_our_entries_when_asked(
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (ok, stdout, stderr) = uninstall(&stack, &args);
     assert!(ok, "uninstall failed:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("from 3 Deployments"), "{stdout}");
+    assert!(stdout.contains("from 3 workloads"), "{stdout}");
     assert!(
         configs
             .get_opt(WEBHOOK_CONFIG)
@@ -141,7 +141,7 @@ async fn uninstall_leaves_nothing_stuck_and_deletes_only_our_entries_when_asked(
     // A second run finds nothing left to do.
     let (ok, stdout, _) = uninstall(&stack, &args);
     assert!(
-        ok && stdout.contains("from 0 Deployments") && stdout.contains("already gone"),
+        ok && stdout.contains("from 0 workloads") && stdout.contains("already gone"),
         "{stdout}"
     );
 

@@ -31,7 +31,15 @@ impl PolicyView for FixedView {
     fn ownership(&self) -> &Ownership {
         &self.ownership
     }
-    fn sibling_labels(&self, _: &str, _: &str, _: &str) -> Vec<spiffe_registrar::policy::Labels> {
+    fn registers(&self, _: spiffe_registrar::keys::WorkloadKind) -> bool {
+        true
+    }
+    fn sibling_labels(
+        &self,
+        _: &str,
+        _: &str,
+        _: (spiffe_registrar::keys::WorkloadKind, &str),
+    ) -> Vec<spiffe_registrar::policy::Labels> {
         Vec::new()
     }
     fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>> {

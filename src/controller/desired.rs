@@ -10,8 +10,8 @@
 //! Deployments of one service account apart, so the policy is chosen per service account and
 //! its entry is shared (the ref-count is the set of live Deployments running as it).
 
-use crate::index::{DeploymentRecord, NamespaceInfo};
-use crate::keys::{DeploymentKey, SaKey};
+use crate::index::{NamespaceInfo, WorkloadRecord};
+use crate::keys::{SaKey, WorkloadKey};
 use crate::policy::render::validate;
 use crate::policy::select::validate_selectors;
 use crate::policy::{OptIn, Resolution, SpiffeRegistration, resolve};
@@ -43,7 +43,7 @@ pub struct ServiceAccount {
     /// Live Deployments running as it (never empty), sorted: the ref-count of its entry. A
     /// sorted vector, not a set: nearly every account has one to three, and a set's node is
     /// sized for eleven (a third of a sync's memory at 50,000 Deployments).
-    pub deployments: Vec<DeploymentKey>,
+    pub deployments: Vec<WorkloadKey>,
     /// Other policies matching its Deployments, which do not govern it.
     pub losers: Vec<String>,
     /// DNS name templates left out of its entry, and why (`None`: every one rendered).
@@ -69,9 +69,9 @@ pub struct Workload {
 #[derive(Clone, Debug, Default)]
 pub struct Desired {
     pub service_accounts: BTreeMap<SaKey, ServiceAccount>,
-    pub workloads: BTreeMap<DeploymentKey, Workload>,
+    pub workloads: BTreeMap<WorkloadKey, Workload>,
     /// Policy name → Deployments it matches but another policy governs.
-    pub conflicts: BTreeMap<String, BTreeSet<DeploymentKey>>,
+    pub conflicts: BTreeMap<String, BTreeSet<WorkloadKey>>,
     /// Policies that cannot be used at all: name → (reason, message).
     pub invalid_policies: BTreeMap<String, (&'static str, String)>,
     /// Policies whose selectors cannot be evaluated. Such a policy might govern any service
@@ -170,7 +170,7 @@ pub fn policy_problem(policy: &SpiffeRegistration) -> Option<(&'static str, Stri
 pub fn compute(
     ownership: &Ownership,
     opt_in: &OptIn,
-    deployments: &[Arc<DeploymentRecord>],
+    deployments: &[Arc<WorkloadRecord>],
     namespaces: &dyn Fn(&str) -> Option<NamespaceInfo>,
     policies: &[Arc<SpiffeRegistration>],
 ) -> Desired {
@@ -191,7 +191,7 @@ pub fn compute(
 pub fn compute_for(
     ownership: &Ownership,
     opt_in: &OptIn,
-    deployments: &[Arc<DeploymentRecord>],
+    deployments: &[Arc<WorkloadRecord>],
     namespaces: &dyn Fn(&str) -> Option<NamespaceInfo>,
     policies: &[Arc<SpiffeRegistration>],
     scope: Option<BTreeSet<SaKey>>,
@@ -221,7 +221,7 @@ pub fn compute_for(
             policies.iter().map(Arc::as_ref),
             ownership,
         );
-        let mut keys: Vec<DeploymentKey> = members.into_iter().map(|(k, _)| k).collect();
+        let mut keys: Vec<WorkloadKey> = members.into_iter().map(|(k, _)| k).collect();
         keys.sort_unstable();
         keys.shrink_to_fit();
         let account = account(&mut desired, resolution, keys, known);
@@ -250,18 +250,18 @@ fn note_policy_problems(desired: &mut Desired, policies: &[Arc<SpiffeRegistratio
 /// Deployments grouped for the decisions.
 struct Grouped<'d> {
     /// Every Deployment, in cache order.
-    workloads: Vec<(DeploymentKey, Workload)>,
+    workloads: Vec<(WorkloadKey, Workload)>,
     /// The live ones, by the service account they run as.
-    live: BTreeMap<SaKey, Vec<(DeploymentKey, &'d DeploymentRecord)>>,
+    live: BTreeMap<SaKey, Vec<(WorkloadKey, &'d WorkloadRecord)>>,
     /// What each namespace seen is (looked up once each).
     namespaces: BTreeMap<Arc<str>, Option<NamespaceInfo>>,
 }
 
 fn group<'d>(
-    deployments: &'d [Arc<DeploymentRecord>],
+    deployments: &'d [Arc<WorkloadRecord>],
     namespaces: &dyn Fn(&str) -> Option<NamespaceInfo>,
 ) -> Grouped<'d> {
-    let mut live: BTreeMap<SaKey, Vec<(DeploymentKey, &DeploymentRecord)>> = BTreeMap::new();
+    let mut live: BTreeMap<SaKey, Vec<(WorkloadKey, &WorkloadRecord)>> = BTreeMap::new();
     let mut namespace_cache: BTreeMap<Arc<str>, Option<NamespaceInfo>> = BTreeMap::new();
     // Collected, then built in one go: a map built from sorted input has full nodes, one
     // filled by inserts in cache order about two-thirds full (a third more memory per
@@ -312,7 +312,7 @@ fn group<'d>(
 fn account(
     desired: &mut Desired,
     resolution: Resolution,
-    keys: Vec<DeploymentKey>,
+    keys: Vec<WorkloadKey>,
     known: &BTreeMap<String, Arc<Entry>>,
 ) -> ServiceAccount {
     let mut loser_names = Vec::new();

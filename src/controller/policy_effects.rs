@@ -8,7 +8,7 @@ use super::policy_notes::{Announced, brake_waiting, confirm_command};
 use super::record::event;
 use super::status;
 use super::writer::WorkloadWriter;
-use crate::index::DeploymentStore;
+use crate::index::WorkloadStore;
 use crate::names::{CONFIRM_DELETIONS_ANNOTATION, CRD_NAME};
 use crate::policy::{SpiffeRegistration, SpiffeRegistrationStatus};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -57,7 +57,7 @@ impl PolicyEffects {
     pub fn workload_writer(
         &self,
         metrics: &ControllerMetrics,
-        deployments: &DeploymentStore,
+        deployments: &WorkloadStore,
     ) -> WorkloadWriter {
         WorkloadWriter::new(
             self.client.clone(),

@@ -96,7 +96,8 @@ mod tests {
             "p".into(),
             ("InvalidTemplate", "spec.spiffeIDTemplate: bad".into()),
         );
-        let key = |name: &str| crate::keys::DeploymentKey {
+        let key = |name: &str| crate::keys::WorkloadKey {
+            kind: crate::keys::WorkloadKind::Deployment,
             namespace: "ns".into(),
             name: name.into(),
         };

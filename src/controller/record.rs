@@ -1,16 +1,15 @@
-//! Writes the outcome of a sync back to Kubernetes: annotations and finalizers on Deployments
+//! Writes the outcome of a sync back to Kubernetes: annotations and finalizers on workloads
 //! (JSON Patch guarded by `test` operations on exactly what the patch relies on, so a stale
 //! cache can never clobber someone else's change, while kube-controller-manager's status writes
 //! never make our patch fail), Events, and policy status.
 
 use super::decide::MetadataChange;
 use super::events::EventSink;
-use crate::index::DeploymentRecord;
+use crate::index::WorkloadRecord;
 use crate::metadata_patch::{self as patch, Target, writes_anything};
 use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
 use json_patch::PatchOperation;
-use k8s_openapi::api::apps::v1::Deployment;
-use kube::api::{Patch, PatchParams};
+use kube::api::{DynamicObject, Patch, PatchParams};
 use kube::{Api, Client, Resource};
 use std::sync::Arc;
 
@@ -18,7 +17,7 @@ use std::sync::Arc;
 /// `test` of what it relies on: the finalizer list it edits by index or appends to, and, when
 /// it creates the annotation map or finalizer list, the whole object's resourceVersion (an
 /// `add` of an existing map would replace it). Status and other fields may change meanwhile.
-pub fn operations(deployment: &DeploymentRecord, change: &MetadataChange) -> Vec<PatchOperation> {
+pub fn operations(deployment: &WorkloadRecord, change: &MetadataChange) -> Vec<PatchOperation> {
     let mut ops = Vec::new();
     let mut guard_version = false;
     let finalizers: Vec<&str> = deployment
@@ -78,32 +77,42 @@ pub fn operations(deployment: &DeploymentRecord, change: &MetadataChange) -> Vec
     ops
 }
 
-/// Patches one Deployment. A failed `test` (the cache was stale) is not an error worth more
+/// The API of `workload`'s kind in its namespace. Dynamic: every kind is patched and read
+/// back the same way, through its metadata alone.
+pub fn api_of(client: &Client, workload: &WorkloadRecord) -> Api<DynamicObject> {
+    Api::namespaced_with(
+        client.clone(),
+        &workload.namespace,
+        &workload.kind.api_resource(),
+    )
+}
+
+/// Patches one workload. A failed `test` (the cache was stale) is not an error worth more
 /// than a debug line: the watch event that made it stale triggers the next sync.
 pub async fn patch_metadata(
     client: &Client,
-    deployment: &DeploymentRecord,
+    deployment: &WorkloadRecord,
     change: &MetadataChange,
 ) -> Result<bool, kube::Error> {
     let ops = operations(deployment, change);
     if !writes_anything(&ops) {
         return Ok(false);
     }
-    let api: Api<Deployment> = Api::namespaced(client.clone(), &deployment.namespace);
+    let api = api_of(client, deployment);
     let patch = Patch::<()>::Json(json_patch::Patch(ops));
     crate::telemetry::kube_write(
         "patch",
-        "deployments",
+        deployment.kind.plural(),
         api.patch(&deployment.name, &PatchParams::default(), &patch),
     )
     .await?;
     Ok(true)
 }
 
-/// Whether the Deployment now shows everything `change` asked for (read back after a patch
+/// Whether the workload now shows everything `change` asked for (read back after a patch
 /// whose outcome is unknown).
-async fn landed(client: &Client, deployment: &DeploymentRecord, change: &MetadataChange) -> bool {
-    let api: Api<Deployment> = Api::namespaced(client.clone(), &deployment.namespace);
+async fn landed(client: &Client, deployment: &WorkloadRecord, change: &MetadataChange) -> bool {
+    let api = api_of(client, deployment);
     match api.get_metadata_opt(&deployment.name).await {
         Ok(Some(current)) => shows(&current.metadata, change),
         _ => false,
@@ -145,13 +154,13 @@ pub fn event<K: Resource<DynamicType = ()>>(
     events.publish(object.object_ref(&()), warning, reason, note.into());
 }
 
-/// Patches one Deployment and queues its Events. When the patch failed (the sync is
+/// Patches one workload and queues its Events. When the patch failed (the sync is
 /// retried) its Events are handed back unpublished: they announce a change that may not be
 /// there.
 pub async fn write_workload(
     client: &Client,
     events: &EventSink,
-    deployment: Arc<DeploymentRecord>,
+    deployment: Arc<WorkloadRecord>,
     change: MetadataChange,
     announce: Vec<super::decide::Announce>,
 ) -> Result<(), Vec<super::decide::Announce>> {
@@ -165,10 +174,10 @@ pub async fn write_workload(
                 if !matches!(error, kube::Error::Api(_))
                     && landed(client, &deployment, &change).await =>
             {
-                tracing::debug!(deployment = %deployment.name, namespace = %deployment.namespace, %error, "patch outcome was unknown; it landed");
+                tracing::debug!(kind = %deployment.kind, deployment = %deployment.name, namespace = %deployment.namespace, %error, "patch outcome was unknown; it landed");
             }
             Err(error) => {
-                tracing::warn!(deployment = %deployment.name, namespace = %deployment.namespace, %error, "patch failed (stale cache?); will retry");
+                tracing::warn!(kind = %deployment.kind, deployment = %deployment.name, namespace = %deployment.namespace, %error, "patch failed (stale cache?); will retry");
                 return Err(announce);
             }
         }
@@ -180,7 +189,7 @@ pub async fn write_workload(
 /// Queues `announce` as Events about `deployment`.
 pub fn publish(
     events: &EventSink,
-    deployment: &DeploymentRecord,
+    deployment: &WorkloadRecord,
     announce: Vec<super::decide::Announce>,
 ) {
     for announce in announce {
@@ -197,12 +206,13 @@ pub fn publish(
 mod tests {
     use super::*;
     use crate::policy::testing::mk_deployment;
+    use k8s_openapi::api::apps::v1::Deployment;
     use serde_json::{Value, json};
     use std::collections::BTreeMap;
 
     fn apply(deployment: &Deployment, change: &MetadataChange) -> Value {
         let mut object = serde_json::to_value(deployment).expect("serializes");
-        let record = DeploymentRecord::from(deployment);
+        let record = WorkloadRecord::from(deployment);
         json_patch::patch(&mut object, &operations(&record, change)).expect("applies");
         object
     }
@@ -261,7 +271,7 @@ mod tests {
         let mut d = mk_deployment("a", "web", None, &[]);
         d.metadata.resource_version = Some("7".into());
         let ops = operations(
-            &DeploymentRecord::from(&d),
+            &WorkloadRecord::from(&d),
             &MetadataChange {
                 add_finalizer: true,
                 ..Default::default()
@@ -292,7 +302,7 @@ mod tests {
         status_written["status"] = json!({ "observedGeneration": 2 });
         assert!(try_apply(
             &mut status_written,
-            operations(&DeploymentRecord::from(&d), &change)
+            operations(&WorkloadRecord::from(&d), &change)
         ));
         assert_eq!(status_written["metadata"]["finalizers"], json!(["x.io/b"]));
 
@@ -301,7 +311,7 @@ mod tests {
         assert!(
             !try_apply(
                 &mut reordered,
-                operations(&DeploymentRecord::from(&d), &change)
+                operations(&WorkloadRecord::from(&d), &change)
             ),
             "an index into a list that changed must not remove someone else's finalizer"
         );
@@ -317,7 +327,7 @@ mod tests {
             ..Default::default()
         };
         assert!(!writes_anything(&operations(
-            &DeploymentRecord::from(&d),
+            &WorkloadRecord::from(&d),
             &change
         )));
     }

@@ -76,7 +76,7 @@ impl<A: EntryApi> Controller<A> {
         let plan = self.plan(&desired).await;
         let mut writer = self
             .effects
-            .workload_writer(&self.metrics, &self.index.deployments);
+            .workload_writer(&self.metrics, &self.index.workloads);
         let report = if plan.writes() == 0 {
             ApplyReport::default()
         } else {
@@ -197,7 +197,7 @@ impl<A: EntryApi> Controller<A> {
                 .with_label_values(&[&*landed.key.namespace])
                 .inc();
             let key = &landed.key;
-            if let Some(deployment) = self.index.deployments.get(&key.namespace, &key.name) {
+            if let Some(deployment) = self.index.workloads.get(key) {
                 record::publish(self.effects.events(), &deployment, landed.announce);
             }
         }
@@ -312,13 +312,13 @@ pub(super) fn snapshot(
     scope: Option<BTreeSet<SaKey>>,
     known: &Observed,
 ) -> Snapshot {
-    let deployments = match &scope {
-        None => index.deployments.state(),
+    let workloads = match &scope {
+        None => index.workloads.state(),
         Some(accounts) => accounts
             .iter()
             .flat_map(|sa| {
                 index
-                    .deployments
+                    .workloads
                     .running_as(&sa.namespace, &sa.service_account)
             })
             .collect(),
@@ -328,7 +328,7 @@ pub(super) fn snapshot(
     let desired = desired::compute_for(
         &settings.ownership,
         &settings.opt_in,
-        &deployments,
+        &workloads,
         &namespaces,
         &policies,
         scope,

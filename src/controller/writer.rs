@@ -9,8 +9,8 @@ use super::desired::Desired;
 use super::events::EventSink;
 use super::metrics::ControllerMetrics;
 use super::record::write_workload;
-use crate::index::{DeploymentRecord, DeploymentStore};
-use crate::keys::DeploymentKey;
+use crate::index::{WorkloadRecord, WorkloadStore};
+use crate::keys::WorkloadKey;
 use futures::StreamExt;
 use kube::Client;
 use prometheus::IntCounter;
@@ -50,7 +50,7 @@ pub struct WorkloadWriter {
     metrics: ControllerMetrics,
     /// Deployments already handed a write this sync: a later, wider pass computed from the
     /// same cache would only repeat it.
-    written: HashSet<DeploymentKey>,
+    written: HashSet<WorkloadKey>,
     /// Writes queued or in flight, shared with the driver.
     progress: Arc<Progress>,
     queue: mpsc::UnboundedSender<Job>,
@@ -84,7 +84,7 @@ impl WorkloadWriter {
         client: Client,
         events: EventSink,
         metrics: ControllerMetrics,
-        deployments: DeploymentStore,
+        deployments: WorkloadStore,
     ) -> Self {
         let (queue, jobs) = mpsc::unbounded_channel();
         let progress = Arc::new(Progress::default());
@@ -124,7 +124,7 @@ impl WorkloadWriter {
     }
 
     /// Whether `key` was handed a write this sync.
-    pub fn wrote(&self, key: &DeploymentKey) -> bool {
+    pub fn wrote(&self, key: &WorkloadKey) -> bool {
         self.written.contains(key)
     }
 
@@ -231,7 +231,7 @@ struct Basis {
 }
 
 impl Basis {
-    fn of(desired: &Desired, key: &DeploymentKey) -> Self {
+    fn of(desired: &Desired, key: &WorkloadKey) -> Self {
         desired
             .workloads
             .get(key)
@@ -243,7 +243,7 @@ impl Basis {
     }
 
     /// Whether `deployment` as now cached is still what the write was decided on.
-    fn holds_for(&self, deployment: &DeploymentRecord) -> bool {
+    fn holds_for(&self, deployment: &WorkloadRecord) -> bool {
         let same_account = self
             .service_account
             .as_ref()
@@ -259,7 +259,7 @@ impl Basis {
 async fn drive(
     client: Client,
     events: EventSink,
-    deployments: DeploymentStore,
+    deployments: WorkloadStore,
     jobs: mpsc::UnboundedReceiver<Job>,
     progress: Arc<Progress>,
 ) -> Finished {
@@ -286,7 +286,7 @@ async fn drive(
 async fn write_one(
     client: &Client,
     events: &EventSink,
-    deployments: &DeploymentStore,
+    deployments: &WorkloadStore,
     job: Job,
 ) -> Finished {
     let Job {
@@ -295,7 +295,7 @@ async fn write_one(
         registrations,
     } = job;
     // Gone from the cache: deleted, nothing left to write.
-    let Some(deployment) = deployments.get(&write.key.namespace, &write.key.name) else {
+    let Some(deployment) = deployments.get(&write.key) else {
         return Finished::default();
     };
     let entry_id = write.change.entry_id.clone().flatten();
@@ -345,10 +345,10 @@ mod tests {
 
     #[test]
     fn a_write_is_stale_once_the_deployment_moved_account_or_started_deleting() {
-        let plain = DeploymentRecord::from(&mk_deployment("ns", "web", Some("api"), &[]));
+        let plain = WorkloadRecord::from(&mk_deployment("ns", "web", Some("api"), &[]));
         let mut deleting = mk_deployment("ns", "web", Some("api"), &[]);
         deleting.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::now()));
-        let deleting = DeploymentRecord::from(&deleting);
+        let deleting = WorkloadRecord::from(&deleting);
         for (basis, record, holds) in [
             (basis("api", false), &plain, true),
             (basis("other", false), &plain, false),

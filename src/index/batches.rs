@@ -1,4 +1,4 @@
-//! The Deployment watch read in batches. kube-controller-manager rewrites a Deployment's
+//! A workload watch read in batches (one per kind). kube-controller-manager rewrites a Deployment's
 //! status several times per rollout, and handling each event on its own wake-up cost more in
 //! per-wake work (the watcher's stream stack, task hand-offs, the store's lock, a poke of the
 //! controller) than in decoding. Once the list is done, the watch is read, then left alone for
@@ -8,8 +8,8 @@
 //! status updates. What it cannot save: the reactor still wakes about once per arriving event
 //! (edge-triggered epoll reports new data whether or not anyone reads).
 
-use super::deployment::WatchedDeployment;
-use super::store::DeploymentStoreWriter;
+use super::store::WorkloadStoreWriter;
+use super::workload::WatchedWorkload;
 use futures::{Stream, StreamExt};
 use kube::runtime::watcher;
 use std::sync::Arc;
@@ -30,12 +30,12 @@ const WATCH_PAUSE: Duration = Duration::from_millis(100);
 /// the socket.
 const DRAIN_GAP: Duration = Duration::from_millis(2);
 
-/// Applies Deployment events to the compact store, poking `trigger` once per batch that
+/// Applies one kind's events to the compact store, poking `trigger` once per batch that
 /// changed something a decision reads. Watch errors are logged (the stream's backoff retries
 /// them) and never end the loop.
-pub async fn drain_deployments<S, E>(stream: S, writer: DeploymentStoreWriter, trigger: Arc<Notify>)
+pub async fn drain_workloads<S, E>(stream: S, writer: WorkloadStoreWriter, trigger: Arc<Notify>)
 where
-    S: Stream<Item = Result<watcher::Event<WatchedDeployment>, E>>,
+    S: Stream<Item = Result<watcher::Event<WatchedWorkload>, E>>,
     E: std::fmt::Display,
 {
     let mut stream = std::pin::pin!(stream);
@@ -50,7 +50,7 @@ where
             writer.apply(event)
         }
         Err(error) => {
-            tracing::warn!(kind = "deployments", %error, "watch failed; retrying with backoff");
+            tracing::warn!(kind = %writer.kind(), %error, "watch failed; retrying with backoff");
             false
         }
     };
@@ -74,23 +74,23 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::store::{DeploymentStore, store};
+    use crate::index::store::{WorkloadStore, store};
     use crate::policy::testing::mk_watched;
     use futures::channel::mpsc;
     use tokio::time::Instant;
 
-    type WatchEvent = Result<watcher::Event<WatchedDeployment>, watcher::Error>;
+    type WatchEvent = Result<watcher::Event<WatchedWorkload>, watcher::Error>;
 
     /// The watch as a channel the test feeds, and the drain running over it.
     fn start() -> (
         mpsc::UnboundedSender<WatchEvent>,
-        DeploymentStore,
+        WorkloadStore,
         Arc<Notify>,
     ) {
         let (events, stream) = mpsc::unbounded();
         let (deployments, writer) = store();
         let trigger = Arc::new(Notify::new());
-        tokio::spawn(drain_deployments(stream, writer, trigger.clone()));
+        tokio::spawn(drain_workloads(stream, writer, trigger.clone()));
         (events, deployments, trigger)
     }
 
@@ -105,7 +105,7 @@ mod tests {
     }
 
     /// A (re)list as the watcher reports it: a start, one event per object, an end.
-    fn send_list(events: &mpsc::UnboundedSender<WatchEvent>, objects: Vec<WatchedDeployment>) {
+    fn send_list(events: &mpsc::UnboundedSender<WatchEvent>, objects: Vec<WatchedWorkload>) {
         events.unbounded_send(Ok(watcher::Event::Init)).unwrap();
         for object in objects {
             let item = Ok(watcher::Event::InitApply(object));
@@ -115,7 +115,7 @@ mod tests {
     }
 
     /// `count` Deployments named `{prefix}{i}`, each with a service account of its own.
-    fn objects(prefix: &str, count: usize) -> Vec<WatchedDeployment> {
+    fn objects(prefix: &str, count: usize) -> Vec<WatchedWorkload> {
         (0..count)
             .map(|i| {
                 mk_watched(
@@ -180,11 +180,11 @@ mod tests {
         events.unbounded_send(update("late", "api")).unwrap();
         tokio::time::sleep(WATCH_PAUSE / 2).await;
         assert!(
-            deployments.get("a", "late").is_none(),
+            deployments.deployment("a", "late").is_none(),
             "read before the pause ended"
         );
         trigger.notified().await;
-        assert!(deployments.get("a", "late").is_some());
+        assert!(deployments.deployment("a", "late").is_some());
         assert!(paused_at.elapsed() >= WATCH_PAUSE);
     }
 

@@ -1,22 +1,24 @@
 //! In-memory caches of the cluster state we decide from: opted-in Namespaces and
-//! SpiffeRegistrations (kube-runtime reflectors), and Deployments as compact records (our own
-//! store, see `deployment`, fed by our own protobuf list and watch, see `deployment_watch`).
+//! SpiffeRegistrations (kube-runtime reflectors), and workloads of every registered kind as
+//! compact records (our own store, see `workload`, fed by our own protobuf list and watch per
+//! kind, see `workload_watch`).
 //! Every change a decision reads pokes `trigger` (a `Notify`: coalescing, never dropped), the
 //! controller's cue to re-derive desired state. The webhook reads the same caches; nothing
 //! here does I/O on a request path.
 
 mod batches;
 pub mod changes;
-pub mod deployment;
-mod deployment_watch;
 pub mod store;
 pub mod token;
 pub mod wire;
+pub mod workload;
+mod workload_watch;
 
 pub use changes::{Changed, Changes};
-pub use deployment::DeploymentRecord;
-pub use store::DeploymentStore;
+pub use store::WorkloadStore;
+pub use workload::WorkloadRecord;
 
+use crate::keys::WorkloadKind;
 use crate::policy::{Labels, OptIn, SpiffeRegistration};
 use crate::spire::Ownership;
 use crate::telemetry::ReadyHandle;
@@ -29,6 +31,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 /// What a namespace contributes to decisions: its labels and whether it is being deleted.
 #[derive(Clone, Debug, Default)]
@@ -47,9 +50,18 @@ pub trait PolicyView: Send + Sync {
     /// of its finalizers).
     fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>>;
     fn policies(&self) -> Vec<Arc<SpiffeRegistration>>;
-    /// Labels of the other live Deployments running as `namespace/service_account`: the
-    /// policy is resolved per service account, so they count too.
-    fn sibling_labels(&self, namespace: &str, service_account: &str, except: &str) -> Vec<Labels>;
+    /// Whether workloads of `kind` are registered: only those are stamped (the controller
+    /// releases the finalizers of the kinds it watches, and no others).
+    fn registers(&self, kind: WorkloadKind) -> bool;
+    /// Labels of the other live workloads (of every kind) running as
+    /// `namespace/service_account`: the policy is resolved per service account, so they
+    /// count too. `except` is the admitted workload itself.
+    fn sibling_labels(
+        &self,
+        namespace: &str,
+        service_account: &str,
+        except: (WorkloadKind, &str),
+    ) -> Vec<Labels>;
 }
 
 #[derive(Clone)]
@@ -58,7 +70,7 @@ pub struct Index {
     pub ownership: Ownership,
     pub namespaces: Store<Namespace>,
     pub policies: Store<SpiffeRegistration>,
-    pub deployments: DeploymentStore,
+    pub workloads: WorkloadStore,
     /// What changed since the controller last derived desired state.
     pub changes: Changes,
     /// True once every cache has listed. kube-runtime's `Store::wait_until_ready` wakes only
@@ -103,11 +115,20 @@ impl PolicyView for Index {
         self.policies.state()
     }
 
-    fn sibling_labels(&self, namespace: &str, service_account: &str, except: &str) -> Vec<Labels> {
-        self.deployments
+    fn registers(&self, kind: WorkloadKind) -> bool {
+        self.workloads.holds(kind)
+    }
+
+    fn sibling_labels(
+        &self,
+        namespace: &str,
+        service_account: &str,
+        except: (WorkloadKind, &str),
+    ) -> Vec<Labels> {
+        self.workloads
             .running_as(namespace, service_account)
             .iter()
-            .filter(|d| &*d.name != except && !d.deleting)
+            .filter(|d| (d.kind, &*d.name) != except && !d.deleting)
             .map(|d| d.labels.clone())
             .collect()
     }
@@ -117,23 +138,25 @@ fn trim_metadata<K: Resource>(object: &mut K) {
     object.meta_mut().managed_fields = None;
 }
 
-/// Deployments per list page. A page is held twice while it is read (the body's chunks, then
+/// Workloads per list page. A page is held twice while it is read (the body's chunks, then
 /// the body in one piece), and a Deployment as `kubectl apply` leaves it is ~10 KB of protobuf
 /// (last-applied-configuration, managed fields, status): kube's default of 500 made the first
 /// list the process's heap peak (18.5 MiB live of JSON pages at 3,000 Deployments, profiled
 /// with `--features heap-profile`). 100 costs a list request per 100 objects, a few hundred at
 /// 50,000, once per relist.
-const DEPLOYMENT_LIST_PAGE: u32 = 100;
+const WORKLOAD_LIST_PAGE: u32 = 100;
 
-/// Starts the three reflectors. `synced` flips once all three have listed; `trigger` is
-/// notified on every change after that.
+/// Starts the caches: namespaces, policies, then one watch per kind in `kinds`. `synced` flips
+/// once all have listed; `trigger` is notified on every change after that. The tasks are
+/// returned in that order, each with the name the supervisor reports it by.
 pub fn start(
     client: Client,
     opt_in: OptIn,
     ownership: Ownership,
+    kinds: &[WorkloadKind],
     trigger: Arc<Notify>,
     synced: ReadyHandle,
-) -> (Index, Vec<JoinHandle<()>>) {
+) -> (Index, Vec<(String, JoinHandle<()>)>) {
     let (namespaces, ns_writer) = reflector::store();
     let (policies, policy_writer) = reflector::store();
     let changes = Changes::default();
@@ -145,11 +168,9 @@ pub fn start(
         .default_backoff()
         .modify(trim_metadata)
         .reflect(ns_writer);
-    tasks.push(spawn_drain(
-        "namespaces",
-        ns_stream,
-        trigger.clone(),
-        changes.clone(),
+    tasks.push((
+        "namespace watch".to_owned(),
+        spawn_drain("namespaces", ns_stream, trigger.clone(), changes.clone()),
     ));
 
     let policy_stream = watcher(
@@ -159,22 +180,29 @@ pub fn start(
     .default_backoff()
     .modify(trim_metadata)
     .reflect(policy_writer);
-    tasks.push(spawn_drain(
-        "spiffe_registrations",
-        policy_stream,
-        trigger.clone(),
-        changes.clone(),
+    tasks.push((
+        "policy watch".to_owned(),
+        spawn_drain(
+            "spiffe_registrations",
+            policy_stream,
+            trigger.clone(),
+            changes.clone(),
+        ),
     ));
 
     // Only changes a decision reads wake the controller: the store tells them apart as it
     // applies each event.
-    let (deployments, deployment_writer) = store::store_telling(changes.clone());
-    let deployment_stream = deployment_watch::deployments(client, DEPLOYMENT_LIST_PAGE);
-    tasks.push(tokio::spawn(batches::drain_deployments(
-        deployment_stream,
-        deployment_writer,
-        trigger,
-    )));
+    let (workloads, writers) = store::store_telling(kinds, changes.clone());
+    for writer in writers {
+        let kind = writer.kind();
+        let stream = workload_watch::workloads(client.clone(), kind, WORKLOAD_LIST_PAGE);
+        let span = tracing::info_span!("watch", %kind);
+        let drain = batches::drain_workloads(stream, writer, trigger.clone());
+        tasks.push((
+            format!("{} watch", kind.name()),
+            tokio::spawn(drain.instrument(span)),
+        ));
+    }
 
     let (synced_tx, synced_rx) = tokio::sync::watch::channel(false);
     let index = Index {
@@ -182,7 +210,7 @@ pub fn start(
         ownership,
         namespaces,
         policies,
-        deployments,
+        workloads,
         changes,
         synced: synced_rx,
     };
@@ -190,7 +218,7 @@ pub fn start(
     tokio::spawn(async move {
         let _ = waiting.namespaces.wait_until_ready().await;
         let _ = waiting.policies.wait_until_ready().await;
-        waiting.deployments.wait_until_ready().await;
+        waiting.workloads.wait_until_ready().await;
         synced_tx.send_replace(true);
         synced.release();
         tracing::info!("caches synced");

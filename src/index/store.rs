@@ -1,10 +1,13 @@
-//! The Deployment cache: records by namespace, then name. Our own store rather than
-//! kube-runtime's reflector, so it holds compact records, can tell whether an event changed
-//! anything a decision reads, and answers "the other Deployments of this service account"
-//! from one namespace rather than from the whole cluster.
+//! The workload cache: one table per kind, records by namespace, then name. Our own store
+//! rather than kube-runtime's reflector, so it holds compact records, can tell whether an
+//! event changed anything a decision reads, and answers "the other workloads of this service
+//! account" (of every kind: one identity, one ref-count) from one namespace rather than from
+//! the whole cluster. A table per kind because each kind is listed and relisted by its own
+//! watch: a relist swaps in one kind's table whole.
 
 use super::changes::Changes;
-use super::deployment::{DeploymentRecord, WatchedDeployment};
+use super::workload::{WatchedWorkload, WorkloadRecord};
+use crate::keys::{WorkloadKey, WorkloadKind};
 use kube::runtime::watcher;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
@@ -15,7 +18,7 @@ type Namespaces = HashMap<Arc<str>, Namespace>;
 /// One namespace's records, by name and by service account.
 #[derive(Default)]
 struct Namespace {
-    records: HashMap<Arc<str>, Arc<DeploymentRecord>>,
+    records: HashMap<Arc<str>, Arc<WorkloadRecord>>,
     /// The names running as each service account. The webhook resolves a policy per service
     /// account, so every admission reads a Deployment's siblings: a lookup here, not a scan of
     /// the namespace (a thousand records each at 50,000 Deployments).
@@ -23,7 +26,7 @@ struct Namespace {
 }
 
 impl Namespace {
-    fn insert(&mut self, record: Arc<DeploymentRecord>) -> Option<Arc<DeploymentRecord>> {
+    fn insert(&mut self, record: Arc<WorkloadRecord>) -> Option<Arc<WorkloadRecord>> {
         let previous = self.records.insert(record.name.clone(), record.clone());
         match &previous {
             Some(old) if old.service_account == record.service_account => {}
@@ -43,13 +46,13 @@ impl Namespace {
         previous
     }
 
-    fn remove(&mut self, name: &str) -> Option<Arc<DeploymentRecord>> {
+    fn remove(&mut self, name: &str) -> Option<Arc<WorkloadRecord>> {
         let removed = self.records.remove(name)?;
         self.unlink(&removed);
         Some(removed)
     }
 
-    fn unlink(&mut self, record: &DeploymentRecord) {
+    fn unlink(&mut self, record: &WorkloadRecord) {
         let Some(names) = self.by_account.remove(&record.service_account) else {
             return;
         };
@@ -101,7 +104,7 @@ impl Shared {
         value.clone()
     }
 
-    fn share(&mut self, record: &mut DeploymentRecord) {
+    fn share(&mut self, record: &mut WorkloadRecord) {
         record.namespace = self.string(&record.namespace);
         record.service_account = self.string(&record.service_account);
         if let Some(annotations) = &mut record.annotations {
@@ -144,8 +147,8 @@ impl Shared {
 fn insert(
     into: &mut Namespaces,
     shared: &mut Shared,
-    mut record: DeploymentRecord,
-) -> Option<Arc<DeploymentRecord>> {
+    mut record: WorkloadRecord,
+) -> Option<Arc<WorkloadRecord>> {
     shared.share(&mut record);
     let previous = into
         .entry(record.namespace.clone())
@@ -157,60 +160,144 @@ fn insert(
     previous
 }
 
-/// Read side, cheap to clone; shared by the webhook and the controller.
+/// Read side, cheap to clone; shared by the webhook and the controller. Answers across
+/// every kind it was made for.
 #[derive(Clone)]
-pub struct DeploymentStore {
+pub struct WorkloadStore {
+    kinds: Arc<[KindTable]>,
+}
+
+/// One kind's records.
+#[derive(Clone)]
+struct KindTable {
+    kind: WorkloadKind,
     contents: Arc<RwLock<Contents>>,
     ready: watch::Receiver<bool>,
 }
 
-/// Write side, owned by the watch task.
-pub struct DeploymentStoreWriter {
+/// Write side of one kind's table, owned by that kind's watch task.
+pub struct WorkloadStoreWriter {
+    kind: WorkloadKind,
     contents: Arc<RwLock<Contents>>,
     ready: watch::Sender<bool>,
     /// Told which service accounts each event touched.
     changes: Changes,
 }
 
-pub fn store() -> (DeploymentStore, DeploymentStoreWriter) {
-    store_telling(Changes::default())
+/// A store of Deployments alone (tests of one kind).
+pub fn store() -> (WorkloadStore, WorkloadStoreWriter) {
+    let (store, mut writers) = store_telling(&[WorkloadKind::Deployment], Changes::default());
+    (store, writers.remove(0))
 }
 
-/// A store whose writer tells `changes` what each event touched.
-pub fn store_telling(changes: Changes) -> (DeploymentStore, DeploymentStoreWriter) {
-    let contents = Arc::new(RwLock::new(Contents::default()));
-    let (tx, rx) = watch::channel(false);
-    (
-        DeploymentStore {
+/// A store of `kinds`, with a writer per kind (in the same order) that tells `changes` what
+/// each event touched.
+pub fn store_telling(
+    kinds: &[WorkloadKind],
+    changes: Changes,
+) -> (WorkloadStore, Vec<WorkloadStoreWriter>) {
+    let mut tables = Vec::with_capacity(kinds.len());
+    let mut writers = Vec::with_capacity(kinds.len());
+    for &kind in kinds {
+        let contents = Arc::new(RwLock::new(Contents::default()));
+        let (tx, rx) = watch::channel(false);
+        tables.push(KindTable {
+            kind,
             contents: contents.clone(),
             ready: rx,
-        },
-        DeploymentStoreWriter {
+        });
+        writers.push(WorkloadStoreWriter {
+            kind,
             contents,
             ready: tx,
-            changes,
+            changes: changes.clone(),
+        });
+    }
+    (
+        WorkloadStore {
+            kinds: tables.into(),
         },
+        writers,
     )
 }
 
-impl DeploymentStore {
+impl WorkloadStore {
+    /// The kinds this store holds.
+    pub fn kinds(&self) -> impl Iterator<Item = WorkloadKind> + '_ {
+        self.kinds.iter().map(|table| table.kind)
+    }
+
+    /// Whether `kind` is held (watched, registered, stamped by the webhook).
+    pub fn holds(&self, kind: WorkloadKind) -> bool {
+        self.kinds().any(|k| k == kind)
+    }
+
+    fn table(&self, kind: WorkloadKind) -> Option<&KindTable> {
+        self.kinds.iter().find(|table| table.kind == kind)
+    }
+
+    /// Every record of every kind: a vector of pointers, each table read under a short lock.
+    pub fn state(&self) -> Vec<Arc<WorkloadRecord>> {
+        let mut all = Vec::with_capacity(self.len());
+        for table in self.kinds.iter() {
+            table.extend_with_all(&mut all);
+        }
+        all
+    }
+
+    pub fn get(&self, key: &WorkloadKey) -> Option<Arc<WorkloadRecord>> {
+        self.table(key.kind)?.get(&key.namespace, &key.name)
+    }
+
+    /// A Deployment's record (tests, and callers that only know Deployments).
+    pub fn deployment(&self, namespace: &str, name: &str) -> Option<Arc<WorkloadRecord>> {
+        self.table(WorkloadKind::Deployment)?.get(namespace, name)
+    }
+
+    pub fn len(&self) -> usize {
+        self.kinds.iter().map(KindTable::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The records of every kind running as `namespace/service_account`: work proportional
+    /// to them alone.
+    pub fn running_as(&self, namespace: &str, service_account: &str) -> Vec<Arc<WorkloadRecord>> {
+        let mut all = Vec::new();
+        for table in self.kinds.iter() {
+            table.extend_running_as(namespace, service_account, &mut all);
+        }
+        all
+    }
+
+    /// Resolves once every kind's first complete list has been stored.
+    pub async fn wait_until_ready(&self) {
+        for table in self.kinds.iter() {
+            let mut ready = table.ready.clone();
+            // The sender lives as long as the watch task; if it is gone, nothing will ever
+            // list.
+            let _ = ready.wait_for(|ready| *ready).await;
+        }
+    }
+}
+
+impl KindTable {
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Contents> {
         // A panic while holding the lock leaves whole records behind (each write is one
         // insert or remove), so the data is still usable.
         self.contents.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Every record: a vector of pointers, taken under a short read lock.
-    pub fn state(&self) -> Vec<Arc<DeploymentRecord>> {
+    fn extend_with_all(&self, all: &mut Vec<Arc<WorkloadRecord>>) {
         let contents = self.read();
-        let mut all = Vec::with_capacity(contents.by_namespace.values().map(Namespace::len).sum());
         for namespace in contents.by_namespace.values() {
             all.extend(namespace.records.values().cloned());
         }
-        all
     }
 
-    pub fn get(&self, namespace: &str, name: &str) -> Option<Arc<DeploymentRecord>> {
+    fn get(&self, namespace: &str, name: &str) -> Option<Arc<WorkloadRecord>> {
         self.read()
             .by_namespace
             .get(namespace)?
@@ -219,45 +306,44 @@ impl DeploymentStore {
             .cloned()
     }
 
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.read().by_namespace.values().map(Namespace::len).sum()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The records running as `namespace/service_account`: work proportional to them alone.
-    pub fn running_as(&self, namespace: &str, service_account: &str) -> Vec<Arc<DeploymentRecord>> {
+    fn extend_running_as(
+        &self,
+        namespace: &str,
+        service_account: &str,
+        all: &mut Vec<Arc<WorkloadRecord>>,
+    ) {
         let contents = self.read();
         let Some(namespace) = contents.by_namespace.get(namespace) else {
-            return Vec::new();
+            return;
         };
-        namespace
-            .by_account
-            .get(service_account)
-            .into_iter()
-            .flat_map(|names| names.iter())
-            .filter_map(|name| namespace.records.get(name).cloned())
-            .collect()
-    }
-
-    /// Resolves once the first complete list has been stored.
-    pub async fn wait_until_ready(&self) {
-        let mut ready = self.ready.clone();
-        // The sender lives as long as the watch task; if it is gone, nothing will ever list.
-        let _ = ready.wait_for(|ready| *ready).await;
+        all.extend(
+            namespace
+                .by_account
+                .get(service_account)
+                .into_iter()
+                .flat_map(|names| names.iter())
+                .filter_map(|name| namespace.records.get(name).cloned()),
+        );
     }
 }
 
-impl DeploymentStoreWriter {
+impl WorkloadStoreWriter {
+    /// The kind whose table this writes.
+    pub fn kind(&self) -> WorkloadKind {
+        self.kind
+    }
+
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Contents> {
         self.contents.write().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Applies one watch event; true when it changed something a decision reads (status
     /// updates, rollouts and other writers' annotations do not).
-    pub fn apply(&self, event: watcher::Event<WatchedDeployment>) -> bool {
+    pub fn apply(&self, event: watcher::Event<WatchedWorkload>) -> bool {
         match event {
             watcher::Event::Apply(object) => {
                 let mut contents = self.write();
@@ -266,7 +352,7 @@ impl DeploymentStoreWriter {
                     shared,
                     ..
                 } = &mut *contents;
-                let record = object.record();
+                let record = object.record(self.kind);
                 let key = (record.namespace.clone(), record.name.clone());
                 let previous = insert(by_namespace, shared, record);
                 let stored = &by_namespace[&key.0].records[&key.1];
@@ -285,7 +371,7 @@ impl DeploymentStoreWriter {
                 changed
             }
             watcher::Event::Delete(object) => {
-                let record = object.record();
+                let record = object.record(self.kind);
                 let mut contents = self.write();
                 let namespace = contents.by_namespace.get_mut(&*record.namespace);
                 let removed = namespace.and_then(|n| n.remove(&record.name));
@@ -314,7 +400,7 @@ impl DeploymentStoreWriter {
                 insert(
                     relisting.get_or_insert_with(HashMap::new),
                     shared,
-                    object.record(),
+                    object.record(self.kind),
                 );
                 false
             }
@@ -357,7 +443,7 @@ mod tests {
         );
         assert_eq!(
             store
-                .get("a", "web")
+                .deployment("a", "web")
                 .map(|r| r.resource_version.to_string()),
             Some("2".into()),
             "but the record is refreshed for patch guards"
@@ -398,7 +484,56 @@ mod tests {
         );
         writer.apply(watcher::Event::InitDone);
         assert_eq!(store.len(), 1);
-        assert!(store.get("c", "new").is_some());
+        assert!(store.deployment("c", "new").is_some());
+    }
+
+    /// One identity per service account whatever runs as it: siblings and the whole state
+    /// span kinds, a name may repeat across kinds, and a relist of one kind replaces that
+    /// kind's records alone.
+    #[tokio::test]
+    async fn kinds_share_service_accounts_and_relist_alone() {
+        use WorkloadKind::{CronJob, Deployment, StatefulSet};
+        let (store, writers) =
+            store_telling(&[Deployment, StatefulSet, CronJob], Changes::default());
+        let [deployments, stateful_sets, cron_jobs] = <[_; 3]>::try_from(writers).ok().unwrap();
+        for writer in [&deployments, &stateful_sets, &cron_jobs] {
+            writer.apply(watcher::Event::Init);
+            writer.apply(watcher::Event::InitApply(watched("a", "web", "api", "1")));
+            writer.apply(watcher::Event::InitDone);
+        }
+        store.wait_until_ready().await;
+        assert_eq!(store.len(), 3, "one name, three kinds, three records");
+        let mut kinds: Vec<_> = store
+            .running_as("a", "api")
+            .iter()
+            .map(|r| r.kind)
+            .collect();
+        kinds.sort();
+        assert_eq!(kinds, [Deployment, StatefulSet, CronJob]);
+        let key = |kind| WorkloadKey {
+            kind,
+            namespace: "a".into(),
+            name: "web".into(),
+        };
+        assert_eq!(
+            store.get(&key(StatefulSet)).map(|r| r.kind),
+            Some(StatefulSet)
+        );
+        assert!(store.get(&key(WorkloadKind::Job)).is_none(), "not held");
+        assert!(store.holds(CronJob) && !store.holds(WorkloadKind::DaemonSet));
+
+        stateful_sets.apply(watcher::Event::Init);
+        stateful_sets.apply(watcher::Event::InitApply(watched("a", "db", "api", "2")));
+        stateful_sets.apply(watcher::Event::InitDone);
+        let mut names: Vec<_> = store
+            .state()
+            .iter()
+            .map(|r| format!("{} {}", r.kind, r.name))
+            .collect();
+        names.sort();
+        assert_eq!(names, ["CronJob web", "Deployment web", "StatefulSet db"]);
+        cron_jobs.apply(watcher::Event::Delete(watched("a", "web", "api", "3")));
+        assert_eq!(store.running_as("a", "api").len(), 2);
     }
 
     #[tokio::test]
@@ -411,7 +546,8 @@ mod tests {
         };
         let accounts = |keys: &[SaKey]| Changed::Accounts(keys.iter().cloned().collect());
         let changes = Changes::default();
-        let (_store, writer) = store_telling(changes.clone());
+        let (_store, mut writers) = store_telling(&[WorkloadKind::Deployment], changes.clone());
+        let writer = writers.remove(0);
         writer.apply(watcher::Event::Init);
         writer.apply(watcher::Event::InitApply(watched("a", "web", "api", "1")));
         writer.apply(watcher::Event::InitDone);
@@ -441,10 +577,8 @@ mod tests {
             d.metadata.resource_version = Some(version.into());
             d.metadata.finalizers = Some(vec![FINALIZER.into()]);
             d.metadata.annotations = Some([(ENTRY_ID_ANNOTATION.into(), "sreg.c.1".into())].into());
-            serde_json::from_value::<WatchedDeployment>(
-                serde_json::to_value(d).expect("serializes"),
-            )
-            .expect("decodes")
+            serde_json::from_value::<WatchedWorkload>(serde_json::to_value(d).expect("serializes"))
+                .expect("decodes")
         };
         let (store, writer) = store();
         writer.apply(watcher::Event::Init);
@@ -452,13 +586,13 @@ mod tests {
         writer.apply(watcher::Event::InitApply(ours("db", "2")));
         writer.apply(watcher::Event::InitDone);
         let (web, db) = (
-            store.get("a", "web").unwrap(),
-            store.get("a", "db").unwrap(),
+            store.deployment("a", "web").unwrap(),
+            store.deployment("a", "db").unwrap(),
         );
         assert!(Arc::ptr_eq(&web.namespace, &db.namespace));
         assert!(Arc::ptr_eq(&web.service_account, &db.service_account));
         let entry_id =
-            |r: &DeploymentRecord| r.annotations.as_ref().unwrap().entry_id.clone().unwrap();
+            |r: &WorkloadRecord| r.annotations.as_ref().unwrap().entry_id.clone().unwrap();
         assert!(Arc::ptr_eq(&entry_id(&web), &entry_id(&db)));
         assert!(Arc::ptr_eq(
             web.finalizers.as_ref().unwrap(),

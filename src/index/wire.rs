@@ -15,7 +15,7 @@
 //! format); `tests/fixtures/deployment-watch.pb` is a real apiserver's stream they are tested
 //! against.
 
-use super::deployment::{OUR_ANNOTATION_PREFIX, WatchedDeployment};
+use super::workload::{OUR_ANNOTATION_PREFIX, WatchedWorkload};
 use crate::keys::WorkloadKind;
 use bytes::{Buf, Bytes, BytesMut};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
@@ -49,8 +49,8 @@ const MAX_FRAME: usize = 16 << 20;
 /// What one watch event says.
 #[derive(Debug)]
 pub enum Event {
-    Applied(WatchedDeployment),
-    Deleted(WatchedDeployment),
+    Applied(WatchedWorkload),
+    Deleted(WatchedWorkload),
     /// The watch is at this resourceVersion, nothing else changed.
     Bookmark(String),
     /// The apiserver ended the watch with a Status (410 Gone: resume by listing again).
@@ -76,7 +76,7 @@ impl ApiStatus {
 /// One page of a Deployment list.
 #[derive(Debug, Default)]
 pub struct Page {
-    pub items: Vec<WatchedDeployment>,
+    pub items: Vec<WatchedWorkload>,
     pub resource_version: String,
     /// Empty on the last page.
     pub continue_token: String,
@@ -133,7 +133,7 @@ pub fn decode_page(workload: WorkloadKind, body: Bytes) -> Result<Page, WireErro
     })
 }
 
-fn object_of(workload: WorkloadKind, raw: Bytes) -> Result<WatchedDeployment, WireError> {
+fn object_of(workload: WorkloadKind, raw: Bytes) -> Result<WatchedWorkload, WireError> {
     let raw = unwrap(raw, workload.name())?;
     Ok(Workload::decode(raw)?.into_watched(workload))
 }
@@ -324,7 +324,7 @@ struct PodSpec {
 }
 
 impl Workload {
-    fn into_watched(self, workload: WorkloadKind) -> WatchedDeployment {
+    fn into_watched(self, workload: WorkloadKind) -> WatchedWorkload {
         let meta = self.metadata.unwrap_or_default();
         let template = template_path(workload)
             .iter()
@@ -337,7 +337,7 @@ impl Workload {
         let (service_account_name, service_account) = pod.map_or((None, None), |p| {
             (p.service_account_name, p.service_account)
         });
-        WatchedDeployment::from_parts(
+        WatchedWorkload::from_parts(
             meta.into_object_meta(),
             service_account_name,
             service_account,
@@ -482,7 +482,7 @@ pub mod testing {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::deployment::DeploymentRecord;
+    use crate::index::workload::WorkloadRecord;
 
     /// One real apiserver (v1.36) watch of one Deployment, read twice at once: as protobuf and
     /// as JSON. Between them: our entry-id and a foreign annotation added, a label changed, a
@@ -505,13 +505,13 @@ mod tests {
             .into_iter()
             .map(|frame| decode_event(WorkloadKind::Deployment, frame).expect("decodes"))
             .collect();
-        let json: Vec<kube::api::WatchEvent<WatchedDeployment>> = WATCH_JSON
+        let json: Vec<kube::api::WatchEvent<WatchedWorkload>> = WATCH_JSON
             .lines()
             .map(|line| serde_json::from_str(line).expect("JSON event"))
             .collect();
         assert_eq!(events.len(), 7);
         assert_eq!(events.len(), json.len());
-        let record = |d: &WatchedDeployment| -> DeploymentRecord { d.record() };
+        let record = |d: &WatchedWorkload| -> WorkloadRecord { d.record(WorkloadKind::Deployment) };
         for (i, (pb, json)) in events.iter().zip(&json).enumerate() {
             use kube::api::WatchEvent as J;
             match (pb, json) {
@@ -528,7 +528,7 @@ mod tests {
         let Event::Applied(first) = &events[0] else {
             panic!("MODIFIED first")
         };
-        let first = first.record();
+        let first = first.record(WorkloadKind::Deployment);
         assert_eq!(&*first.service_account, "api");
         assert_eq!(first.entry_id(), Some("abc123"));
         assert_eq!(first.spiffe_id(), Some("spiffe://example.org/ns/pb/sa/api"));
@@ -537,7 +537,7 @@ mod tests {
         let Event::Applied(held) = &events[3] else {
             panic!("the held delete is a MODIFIED")
         };
-        assert!(held.record().deleting);
+        assert!(held.record(WorkloadKind::Deployment).deleting);
     }
 
     #[test]
@@ -712,7 +712,7 @@ mod tests {
                 panic!("{kind:?}: not an applied event");
             };
             assert_eq!(
-                &*watched.record().service_account,
+                &*watched.record(kind).service_account,
                 service_account,
                 "{kind:?}"
             );
@@ -723,7 +723,7 @@ mod tests {
             let page = decode_page(kind, envelope(kind.list_name(), list.encode_to_vec()))
                 .expect("decodes");
             assert_eq!(
-                &*page.items[0].record().service_account,
+                &*page.items[0].record(kind).service_account,
                 service_account,
                 "{kind:?} in a list"
             );
@@ -743,6 +743,9 @@ mod tests {
             spec: Some(beside().into()),
         };
         let watched = object.into_watched(WorkloadKind::CronJob);
-        assert_eq!(&*watched.record().service_account, "default");
+        assert_eq!(
+            &*watched.record(WorkloadKind::CronJob).service_account,
+            "default"
+        );
     }
 }

@@ -143,7 +143,7 @@ mod tests {
         deployment: &Deployment,
         policies: &[&SpiffeRegistration],
     ) -> String {
-        let record = crate::index::DeploymentRecord::from(deployment);
+        let record = crate::index::WorkloadRecord::from(deployment);
         let resolution = resolve(
             &OptIn::default(),
             "ns",

@@ -80,15 +80,15 @@ pub fn mk_watched(
     name: &str,
     service_account: &str,
     resource_version: &str,
-) -> crate::index::deployment::WatchedDeployment {
+) -> crate::index::workload::WatchedWorkload {
     let mut d = mk_deployment(namespace, name, Some(service_account), &[("app", name)]);
     d.metadata.resource_version = Some(resource_version.into());
     serde_json::from_value(serde_json::to_value(d).expect("serializes")).expect("decodes")
 }
 
 /// `deployment` as the cache holds it.
-pub fn recorded(deployment: Deployment) -> std::sync::Arc<crate::index::DeploymentRecord> {
-    std::sync::Arc::new(crate::index::DeploymentRecord::from(&deployment))
+pub fn recorded(deployment: Deployment) -> std::sync::Arc<crate::index::WorkloadRecord> {
+    std::sync::Arc::new(crate::index::WorkloadRecord::from(&deployment))
 }
 
 /// An entry of ours for service account `sa` in namespace `a` under parent `spiffe://td/p`.

@@ -26,7 +26,9 @@ pub const RELEVANT_UPDATE_CONDITION: &str = "request.operation != 'UPDATE'
 || object.metadata.?annotations[?'registrar.spiffe.io/spiffe-id'] != oldObject.metadata.?annotations[?'registrar.spiffe.io/spiffe-id']
 || object.metadata.?annotations[?'registrar.spiffe.io/entry-id'] != oldObject.metadata.?annotations[?'registrar.spiffe.io/entry-id']
 || object.?spec.?template.?spec.?serviceAccountName != oldObject.?spec.?template.?spec.?serviceAccountName
-|| object.?spec.?template.?spec.?serviceAccount != oldObject.?spec.?template.?spec.?serviceAccount";
+|| object.?spec.?template.?spec.?serviceAccount != oldObject.?spec.?template.?spec.?serviceAccount
+|| object.?spec.?jobTemplate.?spec.?template.?spec.?serviceAccountName != oldObject.?spec.?jobTemplate.?spec.?template.?spec.?serviceAccountName
+|| object.?spec.?jobTemplate.?spec.?template.?spec.?serviceAccount != oldObject.?spec.?jobTemplate.?spec.?template.?spec.?serviceAccount";
 
 /// The name of that condition in the manifests.
 pub const RELEVANT_UPDATE_CONDITION_NAME: &str = "changes-what-the-webhook-reads";

@@ -3,7 +3,8 @@
 
 use super::patch::{EntryIdFix, guard_entry_id, stamp};
 use crate::index::PolicyView;
-use crate::index::deployment::WatchedDeployment;
+use crate::index::workload::WatchedWorkload;
+use crate::keys::WorkloadKind;
 use crate::names::{ENTRY_ID_ANNOTATION, SPIFFE_ID_ANNOTATION};
 use crate::policy::resolve;
 use base64::Engine;
@@ -66,13 +67,13 @@ fn operation_label(operation: &Operation) -> &'static str {
 /// annotations, the finalizers, labels and the service account. A Deployment on the wire is
 /// 10–20 KB (kubectl's `last-applied-configuration`, the pod template); the webhook reads a
 /// few hundred bytes of it, and decodes nothing else.
-type LeanRequest = AdmissionRequest<WatchedDeployment>;
+type LeanRequest = AdmissionRequest<WatchedWorkload>;
 
 /// The request, or why the body is not a review. Every real request takes the first, single
 /// pass; a body that fails it is parsed again generically, only to tell the caller precisely
 /// what is wrong (or that the object is not a Deployment we can read).
 fn parse(body: &[u8]) -> Result<Result<LeanRequest, AdmissionRequest<DynamicObject>>, ReviewError> {
-    if let Ok(review) = serde_json::from_slice::<AdmissionReview<WatchedDeployment>>(body)
+    if let Ok(review) = serde_json::from_slice::<AdmissionReview<WatchedWorkload>>(body)
         && review.types.api_version == "admission.k8s.io/v1"
         && review.types.kind == "AdmissionReview"
         && let Ok(request) = TryInto::<LeanRequest>::try_into(review)
@@ -119,8 +120,8 @@ pub fn answer(
             decide(&request, view, registrar_user),
         ),
         Err(unreadable) => {
-            if is_deployment(&unreadable.kind) {
-                tracing::warn!(namespace = ?unreadable.namespace, name = %unreadable.name, "admitted object is not a valid apps/v1 Deployment; leaving it unchanged");
+            if let Some(kind) = registered_kind(&unreadable.kind, view) {
+                tracing::warn!(namespace = ?unreadable.namespace, name = %unreadable.name, kind = kind.name(), api_version = kind.api_version(), "admitted object is not a valid workload of its kind; leaving it unchanged");
             }
             (
                 unreadable.uid.clone(),
@@ -147,8 +148,12 @@ pub fn answer(
     })
 }
 
-fn is_deployment(kind: &kube::core::GroupVersionKind) -> bool {
-    kind.group == "apps" && kind.version == "v1" && kind.kind == "Deployment"
+/// The request's kind, when it is one the registrar registers (`--workload-kinds`).
+fn registered_kind(
+    kind: &kube::core::GroupVersionKind,
+    view: &dyn PolicyView,
+) -> Option<WorkloadKind> {
+    WorkloadKind::from_gvk(&kind.group, &kind.version, &kind.kind).filter(|k| view.registers(*k))
 }
 
 fn decide(
@@ -157,9 +162,10 @@ fn decide(
     registrar_user: Option<&str>,
 ) -> (Outcome, Vec<json_patch::PatchOperation>, Vec<String>) {
     let skipped = (Outcome::Skipped, Vec::new(), Vec::new());
-    if !is_deployment(&request.kind)
-        || !matches!(request.operation, Operation::Create | Operation::Update)
-    {
+    let Some(kind) = registered_kind(&request.kind, view) else {
+        return skipped;
+    };
+    if !matches!(request.operation, Operation::Create | Operation::Update) {
         return skipped;
     }
     let Some(deployment) = &request.object else {
@@ -176,9 +182,9 @@ fn decide(
         .unwrap_or_default();
     let labels = view.namespace_labels(&namespace);
     let policies = view.policies();
-    let record = deployment.record();
+    let record = deployment.record(kind);
     let service_account = &*record.service_account;
-    let siblings = view.sibling_labels(&namespace, service_account, &request.name);
+    let siblings = view.sibling_labels(&namespace, service_account, (kind, &request.name));
     let resolution = resolve(
         view.opt_in(),
         &namespace,
@@ -221,7 +227,7 @@ fn decide(
 /// registrar's own writes pass.
 fn entry_id_fix(
     request: &LeanRequest,
-    deployment: &WatchedDeployment,
+    deployment: &WatchedWorkload,
     computed: Option<&str>,
     registrar_user: Option<&str>,
 ) -> Option<EntryIdFix> {
@@ -242,7 +248,7 @@ fn entry_id_fix(
 }
 
 /// The warning for a user-written `spiffe-id` that policy overrides.
-fn replaced_spiffe_id(deployment: &WatchedDeployment, spiffe_id: &str) -> Option<String> {
+fn replaced_spiffe_id(deployment: &WatchedWorkload, spiffe_id: &str) -> Option<String> {
     let user_value = deployment
         .metadata
         .annotations

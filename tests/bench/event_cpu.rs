@@ -26,7 +26,7 @@ use kube::api::WatchEvent;
 use kube::runtime::watcher;
 use realistic::deployment_json;
 use serde_json::{Value, json};
-use spiffe_registrar::index::deployment::WatchedDeployment;
+use spiffe_registrar::index::workload::WatchedWorkload;
 use spiffe_registrar::index::{store, wire};
 use spiffe_registrar::keys::WorkloadKind;
 use spiffe_registrar::policy::SpiffeRegistration;
@@ -127,8 +127,7 @@ async fn main() {
     let line_bytes = lines.iter().map(String::len).sum::<usize>() / lines.len();
     let watch_us = per_call(events, |i| {
         let line = &lines[i % FLEET];
-        let event: WatchEvent<WatchedDeployment> =
-            serde_json::from_str(line).expect("a watch event");
+        let event: WatchEvent<WatchedWorkload> = serde_json::from_str(line).expect("a watch event");
         let WatchEvent::Modified(object) = event else {
             panic!("built as MODIFIED");
         };
@@ -152,12 +151,12 @@ async fn main() {
     }
     frames.truncate(json_lines.len());
     let json_us = per_call(events, |i| {
-        let event: WatchEvent<WatchedDeployment> =
+        let event: WatchEvent<WatchedWorkload> =
             serde_json::from_str(json_lines[i % json_lines.len()]).expect("a watch event");
         let WatchEvent::Modified(object) = event else {
             panic!("MODIFIED only");
         };
-        std::hint::black_box(object.record());
+        std::hint::black_box(object.record(spiffe_registrar::keys::WorkloadKind::Deployment));
         std::future::ready(())
     })
     .await;
@@ -167,7 +166,7 @@ async fn main() {
         let wire::Event::Applied(object) = event else {
             panic!("MODIFIED only");
         };
-        std::hint::black_box(object.record());
+        std::hint::black_box(object.record(spiffe_registrar::keys::WorkloadKind::Deployment));
         std::future::ready(())
     })
     .await;

@@ -142,9 +142,9 @@ pub async fn create_webhook_configuration_per_replica(
         .iter()
         .map(|(label, port)| {
             json!({
-                "name": format!("{label}.deployments.registrar.spiffe.io"),
+                "name": format!("{label}.workloads.registrar.spiffe.io"),
                 "clientConfig": { "url": format!("https://127.0.0.1:{port}/mutate") },
-                "rules": [{ "apiGroups": ["apps"], "apiVersions": ["v1"], "resources": ["deployments"], "operations": ["CREATE", "UPDATE"] }],
+                "rules": workload_rules(),
                 "namespaceSelector": { "matchLabels": { OPT_IN_KEY: "enabled", "e2e/replica": label } },
                 "matchConditions": [relevant_update_condition()],
                 "failurePolicy": "Fail",
@@ -161,6 +161,14 @@ pub async fn create_webhook_configuration_per_replica(
         .create(&PostParams::default(), &config)
         .await
         .expect("webhook configuration create");
+}
+
+/// The manifests' rules: every built-in workload kind.
+fn workload_rules() -> serde_json::Value {
+    json!([
+        { "apiGroups": ["apps"], "apiVersions": ["v1"], "resources": ["deployments", "statefulsets", "daemonsets"], "operations": ["CREATE", "UPDATE"] },
+        { "apiGroups": ["batch"], "apiVersions": ["v1"], "resources": ["jobs", "cronjobs"], "operations": ["CREATE", "UPDATE"] },
+    ])
 }
 
 /// The manifests' condition that keeps UPDATEs the webhook need not see from reaching it.
@@ -190,9 +198,9 @@ async fn create_webhook_configuration_full(
     let config: MutatingWebhookConfiguration = serde_json::from_value(json!({
         "metadata": { "name": name },
         "webhooks": [{
-            "name": "deployments.registrar.spiffe.io",
+            "name": "workloads.registrar.spiffe.io",
             "clientConfig": { "url": format!("https://127.0.0.1:{port}/mutate") },
-            "rules": [{ "apiGroups": ["apps"], "apiVersions": ["v1"], "resources": ["deployments"], "operations": ["CREATE", "UPDATE"] }],
+            "rules": workload_rules(),
             "namespaceSelector": selector,
             "matchConditions": match_conditions,
             "failurePolicy": "Fail",

@@ -1,9 +1,11 @@
 //! etcd + kube-apiserver + kube-controller-manager on loopback, with an admin kubeconfig.
 //!
-//! kube-controller-manager runs the deployment, replicaset, daemonset, node-lifecycle, namespace
-//! and garbage-collector controllers, so tests see what a real cluster does to Deployments:
-//! status rewritten on every rollout step, ReplicaSets and Pods created (Pending unless the
-//! stack has a node, `node.rs`), and namespaces deleted by the namespace controller.
+//! kube-controller-manager runs the controllers of every workload kind (deployment, replicaset,
+//! statefulset, daemonset, job, cronjob, ttl-after-finished) with node-lifecycle, namespace and
+//! garbage-collector, so tests see what a real cluster does to workloads: status rewritten on
+//! every rollout step, ReplicaSets, Jobs and Pods created (Pending unless the stack has a node,
+//! `node.rs`), finished Jobs deleted by their TTL, and namespaces deleted by the namespace
+//! controller.
 
 use super::certs::TestCa;
 use super::paths::{binary, free_port, kube_bin};
@@ -164,13 +166,13 @@ fn wait_apiserver(apiserver: &mut ManagedProcess, kubeconfig: &Path) {
     });
 }
 
-/// The controllers a Deployment's life touches. Client rate limits are raised from the
+/// The controllers a workload's life touches. Client rate limits are raised from the
 /// defaults (20/s) so thousands of Deployments settle in test time on loopback.
 fn start_controller_manager(dir: &Path, kubeconfig: &Path) -> ManagedProcess {
     let mut command = Command::new(binary(kube_bin(), "kube-controller-manager"));
     command.args([
         format!("--kubeconfig={}", kubeconfig.display()),
-        "--controllers=deployment-controller,replicaset-controller,daemonset-controller,namespace-controller,garbage-collector-controller,node-lifecycle-controller".into(),
+        "--controllers=deployment-controller,replicaset-controller,statefulset-controller,daemonset-controller,job-controller,cronjob-controller,ttl-after-finished-controller,namespace-controller,garbage-collector-controller,node-lifecycle-controller".into(),
         "--secure-port=0".into(),
         "--leader-elect=true".into(),
         // It is the only candidate: a long term keeps it leading while 50,000 Deployments hold

@@ -2,6 +2,7 @@
 //! without a cluster behind them.
 
 use spiffe_registrar::index::PolicyView;
+use spiffe_registrar::keys::WorkloadKind;
 use spiffe_registrar::policy::{Labels, OptIn, SpiffeRegistration};
 use spiffe_registrar::spire::Ownership;
 use std::collections::BTreeMap;
@@ -49,7 +50,11 @@ impl PolicyView for StaticView {
     fn policies(&self) -> Vec<Arc<SpiffeRegistration>> {
         self.policies.clone()
     }
-    fn sibling_labels(&self, _: &str, _: &str, _: &str) -> Vec<Labels> {
+    /// Every built-in kind, as with the default flags.
+    fn registers(&self, _: WorkloadKind) -> bool {
+        true
+    }
+    fn sibling_labels(&self, _: &str, _: &str, _: (WorkloadKind, &str)) -> Vec<Labels> {
         Vec::new()
     }
 }

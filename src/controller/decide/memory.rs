@@ -2,7 +2,7 @@
 
 use super::plan::{Announce, FailedWrite};
 use crate::controller::desired::Desired;
-use crate::keys::DeploymentKey;
+use crate::keys::WorkloadKey;
 use crate::spire::Entry;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -19,7 +19,7 @@ pub struct Memory {
     pub(super) out_of_scope_since: BTreeMap<String, Instant>,
     /// The entry each live Deployment was served by at the last sync (one shared copy of each
     /// ID: this holds a slot per Deployment).
-    pub(super) last_served: BTreeMap<DeploymentKey, Arc<str>>,
+    pub(super) last_served: BTreeMap<WorkloadKey, Arc<str>>,
     /// Old entry → the entry that replaced it for some Deployment.
     pub(super) superseded: BTreeMap<String, String>,
     /// Creates SPIRE refused as invalid: not sent again until the entry changes or a resync.
@@ -32,7 +32,7 @@ pub struct Memory {
     /// is not re-announced, and the full pass that last made it. A hash, not the note; and a
     /// slot lives only while its situation does (see `workload_writes`), so a cluster at rest,
     /// where nothing is announced, holds none.
-    pub(super) announced: BTreeMap<(DeploymentKey, &'static str), (u64, u64)>,
+    pub(super) announced: BTreeMap<(WorkloadKey, &'static str), (u64, u64)>,
     /// Full `workload_writes` passes so far.
     pub(super) passes: u64,
     /// Writes whose patch failed, until the next sync settles them.
@@ -116,7 +116,7 @@ impl Memory {
     }
 
     /// True the first time `announce` is made for `key` (until its note changes).
-    pub(super) fn first_time(&mut self, key: &DeploymentKey, announce: &Announce) -> bool {
+    pub(super) fn first_time(&mut self, key: &WorkloadKey, announce: &Announce) -> bool {
         use std::hash::{Hash, Hasher};
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         announce.note.hash(&mut hasher);

@@ -1,7 +1,7 @@
 //! What a decision returns: the SPIRE writes, what is kept back and why, the order in which
 //! the writes go out, and the writes to Deployments.
 
-use crate::keys::{DeploymentKey, SaKey};
+use crate::keys::{SaKey, WorkloadKey};
 use crate::spire::{Entry, Selector};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
@@ -185,7 +185,7 @@ impl Announce {
 /// One Deployment's write: metadata to change and/or an Event.
 #[derive(Debug, PartialEq, Eq)]
 pub struct WorkloadWrite {
-    pub key: DeploymentKey,
+    pub key: WorkloadKey,
     pub change: MetadataChange,
     pub announce: Vec<Announce>,
     /// The Deployment gets its entry-id for the first time (metrics).
@@ -213,7 +213,7 @@ impl MetadataChange {
 /// too early. A later sync settles it (`Memory::settle_failed_writes`).
 #[derive(Debug)]
 pub struct FailedWrite {
-    pub key: DeploymentKey,
+    pub key: WorkloadKey,
     /// The entry ID a first registration carried (counted if it turns out to have landed).
     pub registered: Option<Arc<str>>,
     /// Its Events, not published.

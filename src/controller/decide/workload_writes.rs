@@ -13,7 +13,7 @@ use super::input::{Failures, Observed};
 use super::memory::Memory;
 use super::plan::{Announce, MetadataChange, SpirePlan, Why, WorkloadWrite};
 use crate::controller::desired::{Coverage, Desired, SaState, ServiceAccount, Workload};
-use crate::keys::{DeploymentKey, SaKey};
+use crate::keys::{SaKey, WorkloadKey};
 use crate::spire::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -30,7 +30,7 @@ pub fn workload_writes(
     failures: &Failures,
     memory: &mut Memory,
     scope: Option<&BTreeSet<SaKey>>,
-    written: &dyn Fn(&DeploymentKey) -> bool,
+    written: &dyn Fn(&WorkloadKey) -> bool,
 ) -> Vec<WorkloadWrite> {
     let in_scope = |sa: &SaKey| scope.is_none_or(|scope| scope.contains(sa));
     // A scoped derive's Deployments are all of its service accounts: the entries of no other
@@ -131,7 +131,7 @@ fn entries_by_account<'e>(
 fn workloads_to_visit<'d>(
     desired: &'d Desired,
     scope: Option<&'d BTreeSet<SaKey>>,
-) -> Box<dyn Iterator<Item = (&'d DeploymentKey, &'d Workload)> + 'd> {
+) -> Box<dyn Iterator<Item = (&'d WorkloadKey, &'d Workload)> + 'd> {
     match scope {
         None => Box::new(desired.workloads.iter()),
         Some(scope) => Box::new(
@@ -282,7 +282,7 @@ impl SharedStrings {
     /// are kept once.
     fn write(
         &mut self,
-        key: &DeploymentKey,
+        key: &WorkloadKey,
         mut change: MetadataChange,
         mut announce: Vec<Announce>,
         registered: bool,

@@ -20,7 +20,7 @@ fn sa(ns: &str, name: &str) -> SaKey {
 #[test]
 fn shared_service_accounts_share_one_refcounted_entry() {
     let o = Ownership::new("c").expect("valid");
-    let deployments: Vec<Arc<DeploymentRecord>> = vec![
+    let deployments: Vec<Arc<WorkloadRecord>> = vec![
         recorded(mk_deployment("a", "web", Some("api"), &[])),
         recorded(mk_deployment("a", "worker", Some("api"), &[])),
         recorded(mk_deployment("a", "db", None, &[])),

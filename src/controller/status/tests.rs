@@ -27,7 +27,7 @@ fn find<'a>(status: &'a SpiffeRegistrationStatus, type_: &str) -> &'a Condition 
 
 fn status_of(
     policies: &[Arc<SpiffeRegistration>],
-    deployments: Vec<Arc<crate::index::DeploymentRecord>>,
+    deployments: Vec<Arc<crate::index::WorkloadRecord>>,
     which: usize,
 ) -> SpiffeRegistrationStatus {
     let o = Ownership::new("c").expect("valid");

@@ -42,6 +42,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   (list "previousClusterNames" "previous-cluster-name")
   (list "nodeAliasCluster" "node-alias-cluster")
   (list "namespaceLabel" "namespace-label")
+  (list "workloadKinds" "workload-kinds")
   (list "transitionGrace" "transition-grace")
   (list "scopeLossGrace" "scope-loss-grace")
   (list "deletionBrakeCount" "deletion-brake-count")

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::controller::desired::{Desired, SaState, ServiceAccount, Workload};
-use crate::keys::{DeploymentKey, SaKey};
+use crate::keys::{SaKey, WorkloadKey, WorkloadKind};
 use crate::spire::Selector;
 use crate::spire::{Entry, Ownership};
 use std::collections::{BTreeMap, BTreeSet};
@@ -35,8 +35,14 @@ fn sa(ns: &str, name: &str) -> SaKey {
     }
 }
 
-fn dk(ns: &str, name: &str) -> DeploymentKey {
-    DeploymentKey {
+/// A Deployment's key.
+fn dk(ns: &str, name: &str) -> WorkloadKey {
+    wk(WorkloadKind::Deployment, ns, name)
+}
+
+fn wk(kind: WorkloadKind, ns: &str, name: &str) -> WorkloadKey {
+    WorkloadKey {
+        kind,
         namespace: ns.into(),
         name: name.into(),
     }

@@ -1,12 +1,12 @@
-//! The Deployment list and watch in protobuf (see `wire` for why). kube-runtime's watcher
+//! A workload kind's list and watch in protobuf (see `wire` for why). kube-runtime's watcher
 //! speaks JSON only, so this is its loop for one resource, yielding the same events into the
-//! same `batches::drain_deployments`: list in pages (`Init`, `InitApply`.., `InitDone`), then
+//! same `batches::drain_workloads`: list in pages (`Init`, `InitApply`.., `InitDone`), then
 //! watch from the list's resourceVersion with bookmarks, resume where the watch ended, list
 //! again when the apiserver says the resourceVersion is gone (410), and back off on errors and
 //! on watches something closes at once.
 
-use super::deployment::WatchedDeployment;
 use super::wire::{self, ApiStatus, WireError};
+use super::workload::WatchedWorkload;
 use crate::keys::WorkloadKind;
 use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
@@ -17,8 +17,6 @@ use kube::client::Body;
 use kube::runtime::watcher::Event;
 use std::time::Duration;
 
-/// The only kind watched in protobuf so far.
-const KIND: WorkloadKind = WorkloadKind::Deployment;
 const LIST_ACCEPT: &str = "application/vnd.kubernetes.protobuf";
 const WATCH_ACCEPT: &str = "application/vnd.kubernetes.protobuf;stream=watch";
 /// The apiserver ends each watch after this long (kube-runtime's default); we resume from the
@@ -33,30 +31,34 @@ const SHORT_WATCH: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum WatchError {
-    #[error("listing Deployments failed: {0}")]
+    #[error("listing failed: {0}")]
     List(#[source] kube::Error),
-    #[error("starting the Deployment watch failed: {0}")]
+    #[error("starting the watch failed: {0}")]
     WatchStart(#[source] kube::Error),
-    #[error("reading the Deployment watch failed: {0}")]
+    #[error("reading the watch failed: {0}")]
     Read(#[source] kube::Error),
     #[error("the apiserver refused: {0}")]
     Api(#[source] ApiStatus),
-    #[error("undecodable Deployment protobuf: {0}")]
+    #[error("undecodable protobuf: {0}")]
     Decode(#[from] WireError),
 }
 
-pub type DeploymentEvent = Result<Event<WatchedDeployment>, WatchError>;
+pub type WorkloadEvent = Result<Event<WatchedWorkload>, WatchError>;
 
-/// Every Deployment in the cluster, listed `page` at a time, then watched. Never ends: errors
-/// are yielded (for the caller to log) and retried after a backoff.
-pub fn deployments(client: Client, page: u32) -> impl Stream<Item = DeploymentEvent> {
+/// Every workload of `kind` in the cluster, listed `page` at a time, then watched. Never ends:
+/// errors are yielded (for the caller to log, with the kind) and retried after a backoff.
+pub fn workloads(
+    client: Client,
+    kind: WorkloadKind,
+    page: u32,
+) -> impl Stream<Item = WorkloadEvent> {
     async_stream::stream! {
         let mut backoff = Backoff::default();
         let mut resource_version: Option<String> = None;
         loop {
             let steps = match resource_version.take() {
-                None => list(&client, page, &mut backoff).boxed(),
-                Some(version) => watch(&client, version, &mut backoff).boxed(),
+                None => list(&client, kind, page, &mut backoff).boxed(),
+                Some(version) => watch(&client, kind, version, &mut backoff).boxed(),
             };
             for await step in steps {
                 match step {
@@ -74,13 +76,14 @@ pub fn deployments(client: Client, page: u32) -> impl Stream<Item = DeploymentEv
 // allocation per event to save a few bytes on the rare `ResumeAt`.
 #[allow(clippy::large_enum_variant)]
 enum Step {
-    Yield(DeploymentEvent),
+    Yield(WorkloadEvent),
     ResumeAt(String),
 }
 
 /// A list, from its first page, as `Init`, `InitApply`.., `InitDone`.
 fn list<'a>(
     client: &'a Client,
+    kind: WorkloadKind,
     page: u32,
     backoff: &'a mut Backoff,
 ) -> impl Stream<Item = Step> + Send + 'a {
@@ -88,7 +91,7 @@ fn list<'a>(
         yield Step::Yield(Ok(Event::Init));
         let mut token = String::new();
         loop {
-            match list_page(client, page, &token).await {
+            match list_page(client, kind, page, &token).await {
                 Ok(listed) => {
                     for object in listed.items {
                         yield Step::Yield(Ok(Event::InitApply(object)));
@@ -120,11 +123,12 @@ fn list<'a>(
 /// A watch from `version` until it ends, fails or is gone.
 fn watch<'a>(
     client: &'a Client,
+    kind: WorkloadKind,
     version: String,
     backoff: &'a mut Backoff,
 ) -> impl Stream<Item = Step> + Send + 'a {
     async_stream::stream! {
-        let body = match start_watch(client, &version).await {
+        let body = match start_watch(client, kind, &version).await {
             Ok(body) => body,
             // Gone: no resume point, the loop lists again.
             Err(WatchError::Api(status)) if status.is_gone() => return,
@@ -158,7 +162,7 @@ fn watch<'a>(
                     break;
                 }
             };
-            match wire::decode_event(KIND, frame) {
+            match wire::decode_event(kind, frame) {
                 Ok(wire::Event::Applied(object)) => {
                     version = object.metadata.resource_version.clone().unwrap_or(version);
                     backoff.reset();
@@ -193,21 +197,30 @@ fn watch<'a>(
     }
 }
 
-async fn list_page(client: &Client, page: u32, token: &str) -> Result<wire::Page, WatchError> {
-    let mut uri = format!("{}?limit={page}", KIND.api_path());
+async fn list_page(
+    client: &Client,
+    kind: WorkloadKind,
+    page: u32,
+    token: &str,
+) -> Result<wire::Page, WatchError> {
+    let mut uri = format!("{}?limit={page}", kind.api_path());
     if !token.is_empty() {
         uri.push_str("&continue=");
         uri.push_str(&percent_encode(token));
     }
     let body = send(client, &uri, LIST_ACCEPT, WatchError::List).await?;
     let body = body.collect().await.map_err(WatchError::List)?.to_bytes();
-    Ok(wire::decode_page(KIND, body)?)
+    Ok(wire::decode_page(kind, body)?)
 }
 
-async fn start_watch(client: &Client, version: &str) -> Result<Body, WatchError> {
+async fn start_watch(
+    client: &Client,
+    kind: WorkloadKind,
+    version: &str,
+) -> Result<Body, WatchError> {
     let uri = format!(
         "{}?watch=1&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}&resourceVersion={}",
-        KIND.api_path(),
+        kind.api_path(),
         percent_encode(version)
     );
     send(client, &uri, WATCH_ACCEPT, WatchError::WatchStart).await
@@ -433,7 +446,7 @@ mod tests {
 
     /// The events as `kind name` strings, until `count` of them arrived.
     async fn events(fake: &Fake, count: usize) -> Vec<String> {
-        deployments(fake.client(), 2)
+        workloads(fake.client(), WorkloadKind::Deployment, 2)
             .take(count)
             .map(|event| match event {
                 Ok(Event::Init) => "Init".to_owned(),
@@ -523,7 +536,9 @@ mod tests {
             .then("resourceVersion=10", Reply::Ok(Bytes::new()))
             .then("resourceVersion=10", Reply::Ok(Bytes::new()));
         let started = tokio::time::Instant::now();
-        let watch = tokio::spawn(deployments(fake.client(), 2).for_each(|_| async {}));
+        let watch = tokio::spawn(
+            workloads(fake.client(), WorkloadKind::Deployment, 2).for_each(|_| async {}),
+        );
         while !fake.done() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }

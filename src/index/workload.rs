@@ -1,12 +1,12 @@
-//! A Deployment as the caches hold it: only what a decision reads. At 50,000 realistic
-//! Deployments the full object (kubectl's `last-applied-configuration`, the pod template,
+//! A workload (a Deployment, StatefulSet, DaemonSet, Job or CronJob) as the caches hold it:
+//! only what a decision reads. At 50,000 realistic Deployments the full object (kubectl's `last-applied-configuration`, the pod template,
 //! managed fields, status) would be gigabytes; k8s-openapi's `Deployment` alone is 2.4 KB
 //! before any string. The watch (protobuf, `wire`) and the webhook (JSON, here) decode straight
 //! into this shape: unknown fields are skipped without being allocated, and of the annotations
 //! only ours are kept.
 
 use super::token::Token;
-use crate::keys::{DeploymentKey, SaKey};
+use crate::keys::{SaKey, WorkloadKey, WorkloadKind};
 use crate::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
 use crate::policy::Labels;
 use k8s_openapi::NamespaceResourceScope;
@@ -33,7 +33,8 @@ pub struct OurAnnotations {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeploymentRecord {
+pub struct WorkloadRecord {
+    pub kind: WorkloadKind,
     /// Shared with every other record of the namespace (the store interns it) and with
     /// every key made from this record.
     pub namespace: Arc<str>,
@@ -54,10 +55,11 @@ pub struct DeploymentRecord {
     pub annotations: Option<OurAnnotations>,
 }
 
-impl DeploymentRecord {
+impl WorkloadRecord {
     /// Builds the record from metadata already stripped or not (only ours is kept) and the
     /// pod template's service account fields.
     fn from_parts(
+        kind: WorkloadKind,
         meta: &ObjectMeta,
         service_account_name: Option<&str>,
         service_account: Option<&str>,
@@ -71,6 +73,7 @@ impl DeploymentRecord {
             .filter(|sa| !sa.is_empty())
             .unwrap_or("default");
         Self {
+            kind,
             namespace: meta.namespace.as_deref().unwrap_or_default().into(),
             name: meta.name.as_deref().unwrap_or_default().into(),
             uid: Token::from(meta.uid.as_deref().unwrap_or_default()),
@@ -87,8 +90,15 @@ impl DeploymentRecord {
         }
     }
 
-    pub fn key(&self) -> DeploymentKey {
-        DeploymentKey {
+    /// A record from a workload's metadata alone (the service account is then `default`):
+    /// enough to patch our metadata off it.
+    pub fn from_metadata(kind: WorkloadKind, meta: &ObjectMeta) -> Self {
+        Self::from_parts(kind, meta, None, None)
+    }
+
+    pub fn key(&self) -> WorkloadKey {
+        WorkloadKey {
+            kind: self.kind,
             namespace: self.namespace.clone(),
             name: self.name.clone(),
         }
@@ -118,8 +128,9 @@ impl DeploymentRecord {
 
     /// Whether `other` differs in anything a decision reads: a new resourceVersion alone
     /// (status, rollouts, other writers' annotations) does not count.
-    pub fn differs_for_decisions(&self, other: &DeploymentRecord) -> bool {
+    pub fn differs_for_decisions(&self, other: &WorkloadRecord) -> bool {
         let Self {
+            kind,
             namespace,
             name,
             uid,
@@ -131,7 +142,8 @@ impl DeploymentRecord {
             finalizers,
             annotations,
         } = self;
-        *namespace != other.namespace
+        *kind != other.kind
+            || *namespace != other.namespace
             || *name != other.name
             || *uid != other.uid
             || *created != other.created
@@ -142,11 +154,11 @@ impl DeploymentRecord {
             || *annotations != other.annotations
     }
 
-    /// What an Event about this Deployment refers to.
+    /// What an Event about this workload refers to.
     pub fn object_ref(&self) -> ObjectReference {
         ObjectReference {
-            api_version: Some("apps/v1".into()),
-            kind: Some("Deployment".into()),
+            api_version: Some(self.kind.api_version().into()),
+            kind: Some(self.kind.name().into()),
             name: Some(self.name.to_string()),
             namespace: Some(self.namespace.to_string()),
             uid: Some(self.uid.to_string()),
@@ -156,13 +168,14 @@ impl DeploymentRecord {
     }
 }
 
-impl From<&Deployment> for DeploymentRecord {
+impl From<&Deployment> for WorkloadRecord {
     fn from(deployment: &Deployment) -> Self {
         let pod = deployment
             .spec
             .as_ref()
             .and_then(|spec| spec.template.spec.as_ref());
         Self::from_parts(
+            WorkloadKind::Deployment,
             &deployment.metadata,
             pod.and_then(|p| p.service_account_name.as_deref()),
             pod.and_then(|p| p.service_account.as_deref()),
@@ -170,11 +183,14 @@ impl From<&Deployment> for DeploymentRecord {
     }
 }
 
-/// What the Deployment watch and the webhook decode: only the fields a record is built from,
-/// so decoding a 10 KB Deployment allocates a few short strings. A `Resource` with an
-/// `ObjectMeta`, so kube's watch and admission types carry it.
+/// What the workload watches and the webhook decode: only the fields a record is built from,
+/// so decoding a 10 KB Deployment allocates a few short strings. Every kind decodes into
+/// this one shape: the Pod template is `spec.template`, or a CronJob's
+/// `spec.jobTemplate.spec.template`. A `Resource` with an `ObjectMeta`, so kube's watch and
+/// admission types carry it (as a Deployment: the kind a record gets is the one its decoder
+/// was told, see `record`).
 #[derive(Clone, Debug, Deserialize)]
-pub struct WatchedDeployment {
+pub struct WatchedWorkload {
     #[serde(deserialize_with = "lean_metadata")]
     pub metadata: ObjectMeta,
     #[serde(default)]
@@ -182,9 +198,19 @@ pub struct WatchedDeployment {
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct WatchedSpec {
     #[serde(default)]
-    template: WatchedTemplate,
+    template: Option<WatchedTemplate>,
+    /// A CronJob's: the Job spec its Jobs are made from.
+    #[serde(default)]
+    job_template: Option<Box<WatchedJobTemplate>>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+struct WatchedJobTemplate {
+    #[serde(default)]
+    spec: Option<WatchedSpec>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -202,7 +228,7 @@ struct WatchedPodSpec {
     service_account: Option<String>,
 }
 
-impl WatchedDeployment {
+impl WatchedWorkload {
     /// From metadata already trimmed to what a record reads (the protobuf watch's decoder).
     pub(super) fn from_parts(
         metadata: ObjectMeta,
@@ -212,19 +238,28 @@ impl WatchedDeployment {
         Self {
             metadata,
             spec: Some(WatchedSpec {
-                template: WatchedTemplate {
+                template: Some(WatchedTemplate {
                     spec: Some(WatchedPodSpec {
                         service_account_name,
                         service_account,
                     }),
-                },
+                }),
+                job_template: None,
             }),
         }
     }
 
-    pub fn record(&self) -> DeploymentRecord {
-        let pod = self.spec.as_ref().and_then(|s| s.template.spec.as_ref());
-        DeploymentRecord::from_parts(
+    /// The record of this object as a `kind` (the watch it came from, or the admission
+    /// request's kind).
+    pub fn record(&self, kind: WorkloadKind) -> WorkloadRecord {
+        let spec = self.spec.as_ref();
+        let template = spec.and_then(|s| s.template.as_ref()).or_else(|| {
+            let job = spec?.job_template.as_ref()?.spec.as_ref()?;
+            job.template.as_ref()
+        });
+        let pod = template.and_then(|t| t.spec.as_ref());
+        WorkloadRecord::from_parts(
+            kind,
             &self.metadata,
             pod.and_then(|p| p.service_account_name.as_deref()),
             pod.and_then(|p| p.service_account.as_deref()),
@@ -232,7 +267,7 @@ impl WatchedDeployment {
     }
 }
 
-impl kube::Resource for WatchedDeployment {
+impl kube::Resource for WatchedWorkload {
     type DynamicType = ();
     type Scope = NamespaceResourceScope;
 
@@ -369,11 +404,11 @@ mod tests {
 
     #[test]
     fn the_watch_keeps_what_decisions_read_and_nothing_else() {
-        let watched: WatchedDeployment = serde_json::from_value(realistic_json()).expect("decodes");
+        let watched: WatchedWorkload = serde_json::from_value(realistic_json()).expect("decodes");
         let annotations = watched.metadata.annotations.as_ref().expect("still Some");
         assert_eq!(annotations.len(), 1, "only ours: {annotations:?}");
         assert!(watched.metadata.managed_fields.is_none());
-        let record = watched.record();
+        let record = watched.record(WorkloadKind::Deployment);
         assert_eq!(&*record.service_account, "api");
         assert_eq!(record.labels.label("app"), Some("web"));
         assert_eq!(record.spiffe_id(), Some("spiffe://td/ns/a/sa/api"));
@@ -385,7 +420,7 @@ mod tests {
 
         let full: Deployment = serde_json::from_value(realistic_json()).expect("decodes");
         assert_eq!(
-            DeploymentRecord::from(&full),
+            WorkloadRecord::from(&full),
             record,
             "the webhook's conversion of a full object and the watch's agree"
         );
@@ -398,42 +433,77 @@ mod tests {
             .as_object_mut()
             .expect("object")
             .remove("annotations");
-        let bare: WatchedDeployment = serde_json::from_value(bare).expect("decodes");
-        assert_eq!(bare.record().annotations, None);
+        let bare: WatchedWorkload = serde_json::from_value(bare).expect("decodes");
+        assert_eq!(bare.record(WorkloadKind::Deployment).annotations, None);
 
         let mut foreign = realistic_json();
         foreign["metadata"]["annotations"] = json!({ "other": "x" });
-        let foreign: WatchedDeployment = serde_json::from_value(foreign).expect("decodes");
+        let foreign: WatchedWorkload = serde_json::from_value(foreign).expect("decodes");
         assert_eq!(
-            foreign.record().annotations,
+            foreign.record(WorkloadKind::Deployment).annotations,
             Some(OurAnnotations::default()),
             "the map's existence is kept for JSON Patch paths"
         );
 
         let mut null = realistic_json();
         null["metadata"]["annotations"] = serde_json::Value::Null;
-        let null: WatchedDeployment = serde_json::from_value(null).expect("decodes");
-        assert_eq!(null.record().annotations, None);
+        let null: WatchedWorkload = serde_json::from_value(null).expect("decodes");
+        assert_eq!(null.record(WorkloadKind::Deployment).annotations, None);
+    }
+
+    /// Each kind's Pod template, where the kind keeps it (a CronJob's inside its Job
+    /// template), in the JSON the webhook decodes.
+    #[test]
+    fn every_kind_s_service_account_is_found_in_json() {
+        let pod = json!({ "serviceAccountName": "runner", "containers": [] });
+        let template = json!({ "metadata": { "labels": { "app": "x" } }, "spec": pod });
+        let cases = [
+            (
+                WorkloadKind::StatefulSet,
+                json!({ "serviceName": "x", "template": template }),
+            ),
+            (WorkloadKind::DaemonSet, json!({ "template": template })),
+            (
+                WorkloadKind::Job,
+                json!({ "backoffLimit": 1, "template": template }),
+            ),
+            (
+                WorkloadKind::CronJob,
+                json!({ "schedule": "* * * * *", "jobTemplate": { "spec": { "template": template } } }),
+            ),
+        ];
+        for (kind, spec) in cases {
+            let object = json!({ "metadata": { "name": "x", "namespace": "a" }, "spec": spec });
+            let watched: WatchedWorkload = serde_json::from_value(object).expect("decodes");
+            let record = watched.record(kind);
+            assert_eq!(&*record.service_account, "runner", "{kind}");
+            assert_eq!(record.kind, kind);
+            assert_eq!(record.object_ref().kind.as_deref(), Some(kind.name()));
+            assert_eq!(
+                record.object_ref().api_version.as_deref(),
+                Some(kind.api_version())
+            );
+        }
     }
 
     #[test]
     fn unset_service_account_is_default() {
         let d = mk_deployment("a", "web", None, &[]);
-        assert_eq!(&*DeploymentRecord::from(&d).service_account, "default");
+        assert_eq!(&*WorkloadRecord::from(&d).service_account, "default");
     }
 
     #[test]
     fn status_rollouts_and_foreign_annotations_are_not_changes() {
-        let base: WatchedDeployment = serde_json::from_value(realistic_json()).expect("decodes");
-        let old = base.record();
+        let base: WatchedWorkload = serde_json::from_value(realistic_json()).expect("decodes");
+        let old = base.record(WorkloadKind::Deployment);
         let mut rollout = realistic_json();
         rollout["metadata"]["resourceVersion"] = json!("43");
         rollout["metadata"]["generation"] = json!(4);
         rollout["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = json!("4");
         rollout["spec"]["replicas"] = json!(5);
         rollout["status"] = json!({ "replicas": 5 });
-        let rollout: WatchedDeployment = serde_json::from_value(rollout).expect("decodes");
-        assert!(!old.differs_for_decisions(&rollout.record()));
+        let rollout: WatchedWorkload = serde_json::from_value(rollout).expect("decodes");
+        assert!(!old.differs_for_decisions(&rollout.record(WorkloadKind::Deployment)));
 
         type Edit = fn(&mut serde_json::Value);
         let edits: [(&str, Edit); 5] = [
@@ -452,8 +522,11 @@ mod tests {
         for (what, edit) in edits {
             let mut changed = realistic_json();
             edit(&mut changed);
-            let changed: WatchedDeployment = serde_json::from_value(changed).expect("decodes");
-            assert!(old.differs_for_decisions(&changed.record()), "{what}");
+            let changed: WatchedWorkload = serde_json::from_value(changed).expect("decodes");
+            assert!(
+                old.differs_for_decisions(&changed.record(WorkloadKind::Deployment)),
+                "{what}"
+            );
         }
     }
 }

@@ -1,0 +1,292 @@
+//! Every built-in kind of workload end to end: StatefulSets, DaemonSets, Jobs and CronJobs are
+//! stamped at admission, registered, recorded and released exactly as Deployments are, and
+//! one entry per service account serves every kind that runs as it (invariant 3: one entry per
+//! identity, ref-counted). Asserted from the apiserver's side (the admitted object, the
+//! annotations, the Events, the objects' disappearance) and SPIRE's (the spire-server CLI),
+//! against the real kube-apiserver, kube-controller-manager (whose job, cronjob and
+//! ttl-after-finished controllers act on the objects) and spire-server.
+#![cfg(feature = "e2e")]
+
+mod common;
+
+use common::k8s::eventually;
+use common::world::{InSuite, Scenario, Suite, WAIT, entry_id, flags, options, spiffe_id};
+use kube::Api;
+use kube::api::{DeleteParams, DynamicObject, ListParams, PostParams};
+use serde_json::{Value, json};
+use spiffe_registrar::keys::WorkloadKind::{
+    self, CronJob, DaemonSet, Deployment, Job, StatefulSet,
+};
+use spiffe_registrar::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
+use std::sync::OnceLock;
+
+const FLAGS: &[&str] = &[
+    "--resync-interval=10s",
+    "--spire-rps=0",
+    "--scope-loss-grace=2s",
+    "--transition-grace=2s",
+];
+
+static SUITE: OnceLock<Suite> = OnceLock::new();
+
+fn suite() -> InSuite {
+    Suite::get(&SUITE, || options("kinds", "registrar", flags(FLAGS, &[])))
+}
+
+/// `kind`'s objects in `ns`.
+fn api(s: &Scenario, ns: &str, kind: WorkloadKind) -> Api<DynamicObject> {
+    Api::namespaced_with(s.client.clone(), ns, &kind.api_resource())
+}
+
+/// A minimal valid object of `kind` whose Pods run as `sa`; `spec` is merged into its spec.
+fn manifest(kind: WorkloadKind, name: &str, sa: &str, spec: Value) -> DynamicObject {
+    let restart = if matches!(kind, Job | CronJob) {
+        "Never"
+    } else {
+        "Always"
+    };
+    let template = json!({
+        "metadata": { "labels": { "app": name } },
+        "spec": {
+            "serviceAccountName": sa,
+            "restartPolicy": restart,
+            "containers": [{ "name": "app", "image": "registry.invalid/app:1" }]
+        }
+    });
+    let selector = json!({ "matchLabels": { "app": name } });
+    let mut object_spec = match kind {
+        Deployment => json!({ "replicas": 1, "selector": selector, "template": template }),
+        StatefulSet => {
+            json!({ "replicas": 1, "serviceName": name, "selector": selector, "template": template })
+        }
+        DaemonSet => json!({ "selector": selector, "template": template }),
+        Job => json!({ "backoffLimit": 0, "template": template }),
+        // Never due in a test's lifetime: the CronJob alone must hold its identity.
+        CronJob => {
+            json!({ "schedule": "0 0 1 1 *", "jobTemplate": { "spec": { "template": template } } })
+        }
+    };
+    if let (Some(into), Value::Object(extra)) = (object_spec.as_object_mut(), spec) {
+        into.extend(extra);
+    }
+    serde_json::from_value(json!({
+        "apiVersion": kind.api_version(),
+        "kind": kind.name(),
+        "metadata": { "name": name, "labels": { "app": name } },
+        "spec": object_spec,
+    }))
+    .expect("workload JSON")
+}
+
+fn annotation<'a>(object: &'a DynamicObject, key: &str) -> Option<&'a str> {
+    object
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(key)
+        .map(String::as_str)
+}
+
+fn has_finalizer(object: &DynamicObject) -> bool {
+    object
+        .metadata
+        .finalizers
+        .iter()
+        .flatten()
+        .any(|f| f == FINALIZER)
+}
+
+/// Creates the workload; returns it as admitted (what the webhook made of it).
+async fn create(
+    s: &Scenario,
+    ns: &str,
+    object: &DynamicObject,
+    kind: WorkloadKind,
+) -> DynamicObject {
+    api(s, ns, kind)
+        .create(&PostParams::default(), object)
+        .await
+        .unwrap_or_else(|e| panic!("create {kind}: {e}"))
+}
+
+/// Waits until the workload records an entry ID and returns it.
+async fn recorded(s: &Scenario, ns: &str, kind: WorkloadKind, name: &str) -> String {
+    let api = api(s, ns, kind);
+    eventually(&format!("{kind} {name} to be registered"), WAIT, || async {
+        let object = api.get(name).await.ok()?;
+        annotation(&object, ENTRY_ID_ANNOTATION).map(str::to_string)
+    })
+    .await
+}
+
+/// Deletes the workload and waits until it is gone: its finalizer was released.
+async fn delete(s: &Scenario, ns: &str, kind: WorkloadKind, name: &str) {
+    let api = api(s, ns, kind);
+    api.delete(name, &DeleteParams::background())
+        .await
+        .unwrap_or_else(|e| panic!("delete {kind} {name}: {e}"));
+    gone(&api, kind, name).await;
+}
+
+async fn gone(api: &Api<DynamicObject>, kind: WorkloadKind, name: &str) {
+    eventually(&format!("{kind} {name} to be gone"), WAIT, || async {
+        api.get_opt(name).await.ok()?.is_none().then_some(())
+    })
+    .await
+}
+
+/// The reasons of the Events about `kind` `name` in `ns`.
+async fn event_reasons(s: &Scenario, ns: &str, kind: WorkloadKind, name: &str) -> Vec<String> {
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(s.client.clone(), ns);
+    let fields = format!(
+        "involvedObject.name={name},involvedObject.kind={}",
+        kind.name()
+    );
+    let list = events.list(&ListParams::default().fields(&fields)).await;
+    list.map(|l| l.items.into_iter().filter_map(|e| e.reason).collect())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_kind_is_stamped_at_admission_registered_recorded_and_released() {
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
+    s.default_policy().await;
+    let ns = s.namespace(true).await;
+    let kinds = [StatefulSet, DaemonSet, Job, CronJob];
+    for kind in kinds {
+        let sa = format!("{}-sa", kind.plural());
+        let admitted = create(&s, &ns, &manifest(kind, "app", &sa, json!({})), kind).await;
+        assert!(has_finalizer(&admitted), "{kind}: finalizer at admission");
+        assert_eq!(
+            annotation(&admitted, SPIFFE_ID_ANNOTATION),
+            Some(spiffe_id(&ns, &sa).as_str()),
+            "{kind}: the identity it will get, at admission"
+        );
+    }
+    for kind in kinds {
+        let sa = format!("{}-sa", kind.plural());
+        let recorded = recorded(&s, &ns, kind, "app").await;
+        let entries = bed.stack.spire_server.entries_for(&spiffe_id(&ns, &sa));
+        assert_eq!(entries.len(), 1, "{kind}: {entries:?}");
+        assert_eq!(entry_id(&entries[0]), recorded, "{kind}");
+        assert_eq!(
+            entries[0]["selectors"],
+            json!([{ "type": "k8s", "value": format!("ns:{ns}") }, { "type": "k8s", "value": format!("sa:{sa}") }]),
+            "{kind}"
+        );
+        eventually(
+            &format!("a Registered Event on the {kind}"),
+            WAIT,
+            || async {
+                let reasons = event_reasons(&s, &ns, kind, "app").await;
+                reasons.iter().any(|r| r == "Registered").then_some(())
+            },
+        )
+        .await;
+    }
+    // A CronJob's Pods come from Jobs it has not made yet: the identity is there before them.
+    let jobs = api(&s, &ns, Job)
+        .list(&ListParams::default())
+        .await
+        .expect("list");
+    assert_eq!(
+        jobs.items.len(),
+        1,
+        "only the test's own Job: {:?}",
+        jobs.items
+    );
+
+    for kind in kinds {
+        delete(&s, &ns, kind, "app").await;
+        let sa = format!("{}-sa", kind.plural());
+        bed.stack
+            .spire_server
+            .wait_none_for(&spiffe_id(&ns, &sa))
+            .await;
+    }
+}
+
+/// Invariant 3 across kinds: a Deployment, a StatefulSet of the same name and a CronJob share
+/// one entry, which outlives every one of them but the last.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_entry_serves_every_kind_of_a_service_account_until_the_last_is_gone() {
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
+    s.default_policy().await;
+    let ns = s.namespace(true).await;
+    let members = [(Deployment, "web"), (StatefulSet, "web"), (CronJob, "tick")];
+    for (kind, name) in members {
+        create(&s, &ns, &manifest(kind, name, "shared", json!({})), kind).await;
+    }
+    let mut ids = Vec::new();
+    for (kind, name) in members {
+        ids.push(recorded(&s, &ns, kind, name).await);
+    }
+    assert!(ids.windows(2).all(|w| w[0] == w[1]), "one entry: {ids:?}");
+    let id = spiffe_id(&ns, "shared");
+    let spire = &bed.stack.spire_server;
+    assert_eq!(spire.entries_for(&id).len(), 1);
+
+    for (kind, name) in &members[..2] {
+        let api = api(&s, &ns, *kind);
+        api.delete(name, &DeleteParams::background())
+            .await
+            .expect("delete");
+        // Sampled through the deletion: the entry is there at every look, and still there
+        // once the workload is gone (its finalizer is released only after the decision).
+        eventually(&format!("{kind} {name} to be gone"), WAIT, || async {
+            let left = spire.entries_for(&id);
+            assert_eq!(left.len(), 1, "while {kind} {name} goes: {left:?}");
+            assert_eq!(entry_id(&left[0]), ids[0]);
+            api.get_opt(name).await.ok()?.is_none().then_some(())
+        })
+        .await;
+        assert_eq!(spire.entries_for(&id).len(), 1, "after {kind} {name}");
+    }
+    delete(&s, &ns, CronJob, "tick").await;
+    spire.wait_none_for(&id).await;
+}
+
+/// A finished Job keeps its identity until the Job object is deleted: here kube-controller-
+/// manager fails it by its deadline (no node runs its Pod), then its TTL controller deletes
+/// it, which our finalizer holds until the controller has released the entry.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_finished_job_keeps_its_identity_until_its_ttl_deletes_it() {
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
+    s.default_policy().await;
+    let ns = s.namespace(true).await;
+    let jobs = api(&s, &ns, Job);
+    let id = spiffe_id(&ns, "batch");
+    let spire = &bed.stack.spire_server;
+
+    // A finished Job that has not been deleted yet: no TTL.
+    let held = manifest(Job, "held", "batch", json!({ "activeDeadlineSeconds": 1 }));
+    create(&s, &ns, &held, Job).await;
+    let entry = recorded(&s, &ns, Job, "held").await;
+    eventually("the Job to fail by its deadline", WAIT, || async {
+        let job = jobs.get("held").await.ok()?;
+        let conditions = job.data["status"]["conditions"].as_array()?.clone();
+        conditions
+            .iter()
+            .any(|c| c["type"] == "Failed" && c["status"] == "True")
+            .then_some(())
+    })
+    .await;
+    // A sync after the Job finished (the status write is an event of the watch) leaves it.
+    bed.registrar.wait_syncs(bed.registrar.syncs(), 2.0).await;
+    let left = spire.entries_for(&id);
+    assert_eq!(left.len(), 1, "a finished Job keeps its identity: {left:?}");
+    assert_eq!(entry_id(&left[0]), entry);
+
+    // The TTL controller deletes a finished Job; its reference goes with it.
+    let spec = json!({ "activeDeadlineSeconds": 1, "ttlSecondsAfterFinished": 1 });
+    create(&s, &ns, &manifest(Job, "ttl", "other", spec), Job).await;
+    recorded(&s, &ns, Job, "ttl").await;
+    gone(&jobs, Job, "ttl").await;
+    spire.wait_none_for(&spiffe_id(&ns, "other")).await;
+
+    delete(&s, &ns, Job, "held").await;
+    spire.wait_none_for(&id).await;
+}
