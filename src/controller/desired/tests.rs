@@ -1,6 +1,7 @@
 //! Desired state: one identity per service account, ref-counted by its live Deployments.
 
 use super::*;
+use crate::keys::WorkloadKind;
 use crate::policy::testing::{mk_deployment, mk_policy, mk_selector, recorded};
 
 fn enabled(ns: &str) -> Option<NamespaceInfo> {
@@ -39,6 +40,47 @@ fn shared_service_accounts_share_one_refcounted_entry() {
         desired.service_accounts[&sa("off", "default")].state,
         SaState::OutOfScope
     );
+}
+
+/// `deployment`'s record as a workload of `kind` (the record reads nothing kind-specific).
+fn as_kind(
+    kind: WorkloadKind,
+    deployment: k8s_openapi::api::apps::v1::Deployment,
+) -> Arc<WorkloadRecord> {
+    let mut record = WorkloadRecord::clone(&recorded(deployment));
+    record.kind = kind;
+    Arc::new(record)
+}
+
+/// Every kind counts toward its service account's one entry; a name may repeat across kinds.
+#[test]
+fn workloads_of_every_kind_share_their_service_account_s_entry() {
+    use WorkloadKind::{CronJob, Job, StatefulSet};
+    let o = Ownership::new("c").expect("valid");
+    let mut leaving = mk_deployment("a", "old", Some("api"), &[]);
+    leaving.metadata.deletion_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+        ));
+    let workloads = vec![
+        recorded(mk_deployment("a", "web", Some("api"), &[])),
+        as_kind(StatefulSet, mk_deployment("a", "web", Some("api"), &[])),
+        as_kind(CronJob, mk_deployment("a", "tick", Some("api"), &[])),
+        as_kind(Job, leaving),
+    ];
+    let policies = vec![Arc::new(mk_policy("p", 1, |_| {}))];
+    let desired = compute(&o, &OptIn::default(), &workloads, &enabled, &policies);
+    let api = &desired.service_accounts[&sa("a", "api")];
+    let mut kinds: Vec<WorkloadKind> = api.deployments.iter().map(|k| k.kind).collect();
+    kinds.sort();
+    assert_eq!(kinds, [WorkloadKind::Deployment, StatefulSet, CronJob]);
+    assert_eq!(
+        desired.workloads.len(),
+        4,
+        "the deleting Job is still tracked"
+    );
+    assert_eq!(desired.service_accounts.len(), 1, "one identity");
+    assert!(desired.needs(&sa("a", "api")).is_some());
 }
 
 #[test]

@@ -85,10 +85,16 @@ impl World {
 
     /// `ns/sa_name` runs `deployments` (live, with our finalizer) in state `state`.
     fn account(&mut self, ns: &str, sa_name: &str, deployments: &[&str], state: SaState) {
+        let keys: Vec<WorkloadKey> = deployments.iter().map(|n| dk(ns, n)).collect();
+        self.account_of(ns, sa_name, &keys, state);
+    }
+
+    /// `ns/sa_name` runs `workloads` of any kind (live, with our finalizer) in state `state`.
+    fn account_of(&mut self, ns: &str, sa_name: &str, workloads: &[WorkloadKey], state: SaState) {
         let key = sa(ns, sa_name);
-        for name in deployments {
+        for workload in workloads {
             self.desired.workloads.insert(
-                dk(ns, name),
+                workload.clone(),
                 Workload {
                     service_account: key.clone(),
                     deleting: false,
@@ -104,7 +110,7 @@ impl World {
             key,
             ServiceAccount {
                 state,
-                deployments: deployments.iter().map(|n| dk(ns, n)).collect(),
+                deployments: workloads.to_vec(),
                 losers: Vec::new(),
                 dns_omitted: None,
             },
@@ -134,10 +140,16 @@ impl World {
     /// Deployment `ns/name` (running as `sa_name`) is being deleted; its service account has no
     /// other live Deployment unless declared separately.
     fn deleting(&mut self, ns: &str, name: &str, sa_name: &str) {
+        self.deleting_workload(dk(ns, name), sa_name);
+    }
+
+    /// Workload `key` (running as `sa_name` in its namespace) is being deleted.
+    fn deleting_workload(&mut self, key: WorkloadKey, sa_name: &str) {
+        let ns = key.namespace.clone();
         self.desired.workloads.insert(
-            dk(ns, name),
+            key,
             Workload {
-                service_account: sa(ns, sa_name),
+                service_account: sa(&ns, sa_name),
                 deleting: true,
                 namespace_terminating: false,
                 has_finalizer: true,

@@ -266,3 +266,62 @@ fn a_dns_name_left_out_is_told_once_to_each_deployment_of_the_account() {
         "told once: {again:?}"
     );
 }
+
+/// One entry per service account whatever kind runs as it (DESIGN invariant 3): a StatefulSet
+/// being deleted beside a live Deployment of the same name and account is released at once
+/// and the entry stays; when the last of them, a finished Job, is deleted, the entry goes
+/// first and its finalizer after.
+#[test]
+fn the_ref_count_spans_kinds_and_a_finished_job_holds_until_deleted() {
+    let mut w = World::new();
+    let (web, db, job) = (
+        dk("a", "web"),
+        wk(WorkloadKind::StatefulSet, "a", "web"),
+        wk(WorkloadKind::Job, "a", "nightly"),
+    );
+    let e = rendered(&w.o, "a", "api", "spiffe://td/p");
+    w.in_spire(&e);
+    // A Job that has finished is still a live workload: nothing in its record says done.
+    w.account_of(
+        "a",
+        "api",
+        &[web.clone(), job.clone()],
+        SaState::Needs {
+            policy: "p".into(),
+            entry: e.clone().into(),
+        },
+    );
+    w.deleting_workload(db.clone(), "api");
+    let plan = w.decide(0);
+    assert!(plan.delete.is_empty(), "the Deployment and the Job need it");
+    let writes = w.writes(&plan, &Failures::new());
+    let released = writes.iter().find(|x| x.key == db).expect("a write for db");
+    assert!(released.change.remove_finalizer);
+    assert!(
+        writes
+            .iter()
+            .all(|x| x.key == db || !x.change.remove_finalizer),
+        "{writes:?}"
+    );
+
+    // The Deployment and the StatefulSet are gone; the Job is deleted (its TTL).
+    w.desired = Desired::default();
+    w.deleting_workload(job.clone(), "api");
+    let plan = w.decide(1);
+    assert_eq!(ids(&plan.delete), vec![e.id.as_str()], "the last reference");
+    let unsure = Failures::from([(
+        e.id.clone(),
+        ItemError::Other {
+            id: e.id.clone(),
+            code: tonic::Code::Unavailable,
+            message: "down".into(),
+        },
+    )]);
+    let writes = w.writes(&plan, &unsure);
+    let job_write = writes.iter().find(|x| x.key == job).expect("the Job");
+    assert!(!job_write.change.remove_finalizer, "entry first");
+    w.apply(&plan);
+    let writes = w.writes(&plan, &Failures::new());
+    let job_write = writes.iter().find(|x| x.key == job).expect("the Job");
+    assert!(job_write.change.remove_finalizer, "then the finalizer");
+}
