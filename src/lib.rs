@@ -8,7 +8,7 @@
 //! ```text
 //! 0  names, version, metadata_patch, supervise, telemetry   vocabulary and process plumbing
 //! 1  spire                                                    Entry API types, IDs, client
-//! 2  keys, policy                                             grouping keys; CRD, selection, rendering (pure)
+//! 2  keys, then policy                                        workload kinds and grouping keys; CRD, selection, rendering (pure)
 //! 3  index, certs, leader                                     caches; webhook certificates; the Lease
 //! 4  controller | webhook                                     the two halves, neither importing the other
 //!      controller: desired → decide → status, policy_notes, pace (pure)

@@ -18,7 +18,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("supervise", 0),
     ("telemetry", 0),
     ("spire", 10),
-    ("keys", 20),
+    ("keys", 15),
     ("policy", 20),
     ("index", 30),
     ("certs", 30),

@@ -39,7 +39,10 @@ impl PolicyView for FixedView {
         _: &str,
         _: &str,
         _: (spiffe_registrar::keys::WorkloadKind, &str),
-    ) -> Vec<spiffe_registrar::policy::Labels> {
+    ) -> Vec<(
+        spiffe_registrar::keys::WorkloadKind,
+        spiffe_registrar::policy::Labels,
+    )> {
         Vec::new()
     }
     fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>> {

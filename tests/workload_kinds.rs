@@ -290,3 +290,46 @@ async fn a_finished_job_keeps_its_identity_until_its_ttl_deletes_it() {
     delete(&s, &ns, Job, "held").await;
     spire.wait_none_for(&id).await;
 }
+
+/// A policy limited by `kinds` governs only the service accounts a workload of those kinds
+/// runs as; its status counts what it governs by kind.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_policy_limited_to_a_kind_registers_that_kind_and_counts_by_kind() {
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
+    let mut spec = s.spec("p");
+    spec["kinds"] = json!(["StatefulSet"]);
+    spec["workloadSelector"] = json!({ "matchLabels": { "app": "db" } });
+    let policy = s.policy("p", spec).await;
+    let ns = s.namespace(true).await;
+    let db = manifest(StatefulSet, "db", "store", json!({}));
+    create(&s, &ns, &db, StatefulSet).await;
+    let web = manifest(Deployment, "web", "front", json!({}));
+    let admitted = create(&s, &ns, &web, Deployment).await;
+    assert!(
+        !has_finalizer(&admitted),
+        "no policy governs the Deployment's account"
+    );
+    assert_eq!(annotation(&admitted, SPIFFE_ID_ANNOTATION), None);
+
+    let recorded = recorded(&s, &ns, StatefulSet, "db").await;
+    let entries = bed.stack.spire_server.entries_for(&spiffe_id(&ns, "store"));
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entry_id(&entries[0]), recorded);
+    eventually("workloadsByKind in the policy's status", WAIT, || async {
+        let status = s.policies().get(&policy).await.ok()?.status?;
+        let by_kind = serde_json::to_value(&status.workloads_by_kind).ok()?;
+        (by_kind == json!({ "StatefulSet": 1 }) && status.selected_workloads == 1).then_some(())
+    })
+    .await;
+    bed.registrar.wait_syncs(bed.registrar.syncs(), 2.0).await;
+    assert!(
+        bed.stack
+            .spire_server
+            .entries_for(&spiffe_id(&ns, "front"))
+            .is_empty(),
+        "a Deployment is not a StatefulSet"
+    );
+    let web = api(&s, &ns, Deployment).get("web").await.expect("get");
+    assert!(!has_finalizer(&web) && annotation(&web, ENTRY_ID_ANNOTATION).is_none());
+}

@@ -217,7 +217,7 @@ pub fn compute_for(
             &sa.namespace,
             labels.as_ref(),
             &sa.service_account,
-            members.iter().map(|(_, d)| &d.labels),
+            members.iter().map(|(_, d)| (d.kind, &d.labels)),
             policies.iter().map(Arc::as_ref),
             ownership,
         );

@@ -4,9 +4,11 @@
 use super::decide::{Brake, Failures, Memory, SpirePlan};
 use super::desired::{Desired, SaState};
 use super::policy_notes::confirm_command;
+use crate::keys::WorkloadKind;
 use crate::policy::{SpiffeRegistration, SpiffeRegistrationStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
+use std::collections::BTreeMap;
 
 /// A condition that keeps its lastTransitionTime while its status stays the same.
 fn condition(
@@ -71,6 +73,11 @@ pub fn compute(policy: &SpiffeRegistration, outcome: &Outcome) -> SpiffeRegistra
         ],
         observed_generation: policy.metadata.generation,
         selected_workloads: counts.selected,
+        workloads_by_kind: counts
+            .by_kind
+            .iter()
+            .map(|(kind, count)| (kind.name().to_string(), *count))
+            .collect(),
         entries: counts.entries,
         failures: counts.failed,
         pending_deletions: counts.pending,
@@ -79,8 +86,10 @@ pub fn compute(policy: &SpiffeRegistration, outcome: &Outcome) -> SpiffeRegistra
 
 /// What one policy governs after a sync.
 struct Counts {
-    /// Deployments running as the service accounts it governs.
+    /// Workloads running as the service accounts it governs.
     selected: u32,
+    /// The same, by kind.
+    by_kind: BTreeMap<WorkloadKind, u32>,
     /// Its service accounts served by an entry.
     entries: u32,
     /// Its service accounts without one, and why the first is.
@@ -105,6 +114,7 @@ impl Counts {
         } = outcome;
         let mut counts = Counts {
             selected: 0,
+            by_kind: BTreeMap::new(),
             entries: 0,
             failed: 0,
             first_failure: None,
@@ -139,6 +149,9 @@ impl Counts {
                 continue;
             }
             counts.selected += account.deployments.len() as u32;
+            for key in &account.deployments {
+                *counts.by_kind.entry(key.kind).or_default() += 1;
+            }
             if let Some(note) = &account.dns_omitted {
                 counts.dns_omitted += 1;
                 counts

@@ -53,7 +53,7 @@ pub trait PolicyView: Send + Sync {
     /// Whether workloads of `kind` are registered: only those are stamped (the controller
     /// releases the finalizers of the kinds it watches, and no others).
     fn registers(&self, kind: WorkloadKind) -> bool;
-    /// Labels of the other live workloads (of every kind) running as
+    /// Kinds and labels of the other live workloads (of every kind) running as
     /// `namespace/service_account`: the policy is resolved per service account, so they
     /// count too. `except` is the admitted workload itself.
     fn sibling_labels(
@@ -61,7 +61,7 @@ pub trait PolicyView: Send + Sync {
         namespace: &str,
         service_account: &str,
         except: (WorkloadKind, &str),
-    ) -> Vec<Labels>;
+    ) -> Vec<(WorkloadKind, Labels)>;
 }
 
 #[derive(Clone)]
@@ -124,12 +124,12 @@ impl PolicyView for Index {
         namespace: &str,
         service_account: &str,
         except: (WorkloadKind, &str),
-    ) -> Vec<Labels> {
+    ) -> Vec<(WorkloadKind, Labels)> {
         self.workloads
             .running_as(namespace, service_account)
             .iter()
             .filter(|d| (d.kind, &*d.name) != except && !d.deleting)
-            .map(|d| d.labels.clone())
+            .map(|d| (d.kind, d.labels.clone()))
             .collect()
     }
 }

@@ -1,4 +1,4 @@
-//! The `SpiffeRegistration` CRD: cluster-scoped policy saying which Deployments get an identity
+//! The `SpiffeRegistration` CRD: cluster-scoped policy saying which workloads get an identity
 //! and how it is rendered. Generated YAML: `spiffe-registrar crd` (checked in under manifests/).
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
@@ -12,8 +12,9 @@ use std::collections::BTreeMap;
 pub const DEFAULT_SPIFFE_ID_TEMPLATE: &str =
     "spiffe://{trustDomain}/ns/{namespace}/sa/{serviceAccount}";
 
-/// Which Deployments get a SPIFFE identity, and its shape. Deployments are in scope only in
-/// namespaces carrying the registrar's opt-in label; the selectors narrow that further.
+/// Which workloads get a SPIFFE identity, and its shape. Workloads are in scope only in
+/// namespaces carrying the registrar's opt-in label; the selectors and kinds narrow that
+/// further.
 #[allow(clippy::duplicated_attributes)] // kube's printcolumn(...) repeats keys by design
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
@@ -50,6 +51,7 @@ pub const DEFAULT_SPIFFE_ID_TEMPLATE: &str =
     )
 )]
 #[x_kube(validation = Rule::new("!has(self.parentID) || self.parentID.startsWith('spiffe://' + self.trustDomain + '/')").message("parentID must be in trustDomain"))]
+#[x_kube(validation = Rule::new("!(has(self.workloadSelector) && has(self.deploymentSelector))").message("set workloadSelector or its older name deploymentSelector, not both"))]
 #[serde(rename_all = "camelCase")]
 pub struct SpiffeRegistrationSpec {
     /// Trust domain of the SPIFFE IDs, e.g. `example.org` (no scheme).
@@ -83,12 +85,25 @@ pub struct SpiffeRegistrationSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace_selector: Option<PolicySelector>,
 
-    /// Deployments (by their labels) this policy applies to. A service account is governed by
-    /// a policy when at least one of its Deployments matches. Unset: all of them.
+    /// Workloads (by their labels) this policy applies to, of every kind in `kinds`. A service
+    /// account is governed by a policy when at least one of its workloads matches. Unset: all
+    /// of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload_selector: Option<PolicySelector>,
+
+    /// The older name of `workloadSelector`, with the same meaning (it selects workloads of
+    /// every kind in `kinds`, not only Deployments). Set one or the other.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deployment_selector: Option<PolicySelector>,
 
-    /// When several policies match Deployments of one service account, the highest priority
+    /// The kinds of workload this policy applies to, among Deployment, StatefulSet,
+    /// DaemonSet, Job and CronJob. Unset or empty: every kind the registrar registers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(validation = Rule::new("self.all(k, k in ['Deployment', 'StatefulSet', 'DaemonSet', 'Job', 'CronJob'])").message("kinds: each one of Deployment, StatefulSet, DaemonSet, Job, CronJob"))]
+    #[schemars(length(max = 5), inner(length(max = 32)))]
+    pub kinds: Vec<String>,
+
+    /// When several policies match workloads of one service account, the highest priority
     /// wins, then the oldest policy, then the name. Default 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = -1000, max = 1000))]
@@ -180,16 +195,20 @@ impl PolicySelector {
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SpiffeRegistrationStatus {
-    /// `Ready`: True when every selected Deployment is registered; False with a reason otherwise.
+    /// `Ready`: True when every selected workload is registered; False with a reason otherwise.
     #[serde(default)]
     pub conditions: Vec<Condition>,
     /// The `metadata.generation` these counts and conditions describe.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Deployments this policy selects (and wins for).
+    /// Workloads of every kind running as the service accounts this policy governs (it
+    /// selects at least one workload of each, and wins for it).
     #[serde(default)]
     pub selected_workloads: u32,
-    /// SPIRE entries those Deployments need (Deployments sharing a service account share one).
+    /// The same, by kind (`Deployment: 3`, `CronJob: 1`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub workloads_by_kind: BTreeMap<String, u32>,
+    /// SPIRE entries those workloads need (workloads sharing a service account share one).
     #[serde(default)]
     pub entries: u32,
     /// Service accounts this policy governs that have no entry: the policy cannot render

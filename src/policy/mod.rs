@@ -19,6 +19,7 @@ pub use crd::{SpiffeRegistration, SpiffeRegistrationSpec, SpiffeRegistrationStat
 pub use labels::{LabelSource, Labels};
 pub use render::{RenderError, Rendered, Workload};
 
+use crate::keys::WorkloadKind;
 use crate::spire::{Entry, Ownership};
 
 use std::collections::BTreeMap;
@@ -85,22 +86,23 @@ impl Resolution<'_> {
 
 /// Resolves the policy and identity of one service account: `namespace` with
 /// `namespace_labels` (`None` when the namespace is not known or not opted in), whose live
-/// Deployments carry `deployment_labels`, its entry named by `ownership`. Resolution is per service account, not per
-/// Deployment, because SPIRE's selectors (`k8s:ns`, `k8s:sa`) cannot tell two Deployments of
-/// one service account apart: one service account, one identity.
+/// workloads are `workloads` (kind and labels each), its entry named by `ownership`.
+/// Resolution is per service account, not per workload, because SPIRE's selectors (`k8s:ns`,
+/// `k8s:sa`) cannot tell two workloads of one service account apart: one service account,
+/// one identity, whatever kinds run as it.
 pub fn resolve<'p, 'l, L: LabelSource + 'l>(
     opt_in: &OptIn,
     namespace: &str,
     namespace_labels: Option<&BTreeMap<String, String>>,
     service_account: &str,
-    deployment_labels: impl IntoIterator<Item = &'l L> + Clone,
+    workloads: impl IntoIterator<Item = (WorkloadKind, &'l L)> + Clone,
     policies: impl IntoIterator<Item = &'p SpiffeRegistration>,
     ownership: &Ownership,
 ) -> Resolution<'p> {
     let Some(namespace_labels) = namespace_labels.filter(|labels| opt_in.admits(labels)) else {
         return Resolution::OutOfScope;
     };
-    let Some(selection) = select::select(policies, namespace_labels, deployment_labels) else {
+    let Some(selection) = select::select(policies, namespace_labels, workloads) else {
         return Resolution::OutOfScope;
     };
     let workload = Workload {
@@ -149,7 +151,7 @@ mod tests {
             "ns",
             namespace_labels,
             &record.service_account,
-            [&record.labels],
+            [(record.kind, &record.labels)],
             policies.iter().copied(),
             &ownership(),
         );
@@ -254,7 +256,10 @@ mod tests {
             "ns",
             Some(&enabled),
             "api",
-            [&worker, &web],
+            [
+                (WorkloadKind::Deployment, &worker),
+                (WorkloadKind::Deployment, &web),
+            ],
             [&only_web],
             &ownership(),
         );
@@ -264,7 +269,7 @@ mod tests {
             "ns",
             Some(&enabled),
             "api",
-            [&worker],
+            [(WorkloadKind::Deployment, &worker)],
             [&only_web],
             &ownership(),
         );

@@ -1,9 +1,10 @@
-//! Which policy governs a service account. Several may match its Deployments; the winner is
+//! Which policy governs a service account. Several may match its workloads; the winner is
 //! the highest `priority`, then the oldest policy, then the smallest name: deterministic on
 //! every replica. The others are reported as losers.
 
-use super::crd::{PolicySelector, SelectorRequirement, SpiffeRegistration};
+use super::crd::{PolicySelector, SelectorRequirement, SpiffeRegistration, SpiffeRegistrationSpec};
 use super::labels::LabelSource;
+use crate::keys::WorkloadKind;
 use kube::ResourceExt;
 use std::collections::BTreeMap;
 
@@ -81,8 +82,27 @@ pub fn selector_matches(
     Ok(matches)
 }
 
-/// Checks both selectors can be evaluated. A policy failing this is in doubt: it might match
-/// anything, so the controller deletes nothing while it exists (see `Desired::doubt`).
+/// The selector a policy picks workloads by, with its field's name: `workloadSelector`, or
+/// its older name `deploymentSelector` (the same meaning; the apiserver refuses both at once).
+pub fn workload_selector(spec: &SpiffeRegistrationSpec) -> (&'static str, Option<&PolicySelector>) {
+    match (&spec.workload_selector, &spec.deployment_selector) {
+        (None, Some(older)) => ("deploymentSelector", Some(older)),
+        (selector, _) => ("workloadSelector", selector.as_ref()),
+    }
+}
+
+/// Whether the policy applies to workloads of `kind` (`kinds` unset or empty: every kind).
+pub fn selects_kind(spec: &SpiffeRegistrationSpec, kind: WorkloadKind) -> bool {
+    spec.kinds.is_empty()
+        || spec
+            .kinds
+            .iter()
+            .any(|name| WorkloadKind::parse(name) == Some(kind))
+}
+
+/// Checks the selectors can be evaluated and the kinds are known. A policy failing this is
+/// in doubt: it might match anything, so the controller deletes nothing while it exists (see
+/// `Desired::doubt`).
 pub fn validate_selectors(policy: &SpiffeRegistration) -> Result<(), SelectorError> {
     let nothing = BTreeMap::new();
     selector_matches(
@@ -90,11 +110,27 @@ pub fn validate_selectors(policy: &SpiffeRegistration) -> Result<(), SelectorErr
         policy.spec.namespace_selector.as_ref(),
         &nothing,
     )?;
-    selector_matches(
-        "deploymentSelector",
-        policy.spec.deployment_selector.as_ref(),
-        &nothing,
-    )?;
+    if policy.spec.workload_selector.is_some() && policy.spec.deployment_selector.is_some() {
+        return Err(SelectorError {
+            field: "workloadSelector",
+            message: "set workloadSelector or its older name deploymentSelector, not both".into(),
+        });
+    }
+    let (field, selector) = workload_selector(&policy.spec);
+    selector_matches(field, selector, &nothing)?;
+    if let Some(unknown) = policy
+        .spec
+        .kinds
+        .iter()
+        .find(|name| WorkloadKind::parse(name).is_none())
+    {
+        return Err(SelectorError {
+            field: "kinds",
+            message: format!(
+                "unknown kind {unknown:?} (Deployment, StatefulSet, DaemonSet, Job, CronJob)"
+            ),
+        });
+    }
     Ok(())
 }
 
@@ -114,13 +150,13 @@ fn precedence(
     )
 }
 
-/// The policies governing a service account whose Deployments carry `deployment_labels`
-/// (one map per live Deployment), in a namespace with `namespace_labels`. Policies being
-/// deleted and policies whose selectors cannot be evaluated never match.
+/// The policies governing a service account whose live workloads are `workloads` (each one's
+/// kind and labels), in a namespace with `namespace_labels`. Policies being deleted and
+/// policies whose selectors cannot be evaluated never match.
 pub fn select<'p, 'l, L: LabelSource + 'l>(
     policies: impl IntoIterator<Item = &'p SpiffeRegistration>,
     namespace_labels: &impl LabelSource,
-    deployment_labels: impl IntoIterator<Item = &'l L> + Clone,
+    workloads: impl IntoIterator<Item = (WorkloadKind, &'l L)> + Clone,
 ) -> Option<Selection<'p>> {
     let mut matching: Vec<&SpiffeRegistration> = policies
         .into_iter()
@@ -131,13 +167,11 @@ pub fn select<'p, 'l, L: LabelSource + 'l>(
                 p.spec.namespace_selector.as_ref(),
                 namespace_labels,
             );
+            let (field, selector) = workload_selector(&p.spec);
             namespace == Ok(true)
-                && deployment_labels.clone().into_iter().any(|labels| {
-                    selector_matches(
-                        "deploymentSelector",
-                        p.spec.deployment_selector.as_ref(),
-                        labels,
-                    ) == Ok(true)
+                && workloads.clone().into_iter().any(|(kind, labels)| {
+                    selects_kind(&p.spec, kind)
+                        && selector_matches(field, selector, labels) == Ok(true)
                 })
         })
         .collect();
@@ -253,5 +287,82 @@ mod tests {
             assert_eq!(on_map, expected, "{what}");
             assert_eq!(on_compact, expected, "{what} (compact labels)");
         }
+    }
+
+    /// Kinds and the workload selector under either name, on one service account whose
+    /// workloads are a Deployment `app=web` and a CronJob `app=tick`.
+    #[test]
+    fn table_of_kinds_and_workload_selectors() {
+        use crate::policy::testing::mk_policy;
+        let web: BTreeMap<String, String> = [("app".to_string(), "web".to_string())].into();
+        let tick: BTreeMap<String, String> = [("app".to_string(), "tick".to_string())].into();
+        let workloads = [
+            (WorkloadKind::Deployment, &web),
+            (WorkloadKind::CronJob, &tick),
+        ];
+        fn tick_only() -> Option<PolicySelector> {
+            Some(selector(&[("app", "tick")], vec![]))
+        }
+        type Case = (&'static str, fn(&mut SpiffeRegistrationSpec), bool);
+        let cases: [Case; 7] = [
+            ("no selector, no kinds", |_| {}, true),
+            (
+                "kinds: the CronJob's",
+                |s| s.kinds = vec!["CronJob".into()],
+                true,
+            ),
+            (
+                "kinds: none of theirs",
+                |s| s.kinds = vec!["StatefulSet".into(), "Job".into()],
+                false,
+            ),
+            (
+                "workloadSelector: the CronJob's labels",
+                |s| s.workload_selector = tick_only(),
+                true,
+            ),
+            (
+                "deploymentSelector means the same",
+                |s| s.deployment_selector = tick_only(),
+                true,
+            ),
+            (
+                "the labels and the kind on different workloads",
+                |s| {
+                    s.workload_selector = tick_only();
+                    s.kinds = vec!["Deployment".into()];
+                },
+                false,
+            ),
+            (
+                "kinds by plural, any case",
+                |s| {
+                    s.workload_selector = tick_only();
+                    s.kinds = vec!["cronjobs".into()];
+                },
+                true,
+            ),
+        ];
+        let nothing = BTreeMap::<String, String>::new();
+        for (what, edit, expected) in cases {
+            let policy = mk_policy("p", 1, edit);
+            assert_eq!(validate_selectors(&policy), Ok(()), "{what}");
+            let selected = select([&policy], &nothing, workloads.iter().map(|(k, l)| (*k, *l)));
+            assert_eq!(selected.is_some(), expected, "{what}");
+        }
+
+        let both = mk_policy("both", 1, |s| {
+            s.workload_selector = tick_only();
+            s.deployment_selector = tick_only();
+        });
+        assert_eq!(
+            validate_selectors(&both).map_err(|e| e.field),
+            Err("workloadSelector")
+        );
+        let unknown = mk_policy("unknown", 1, |s| s.kinds = vec!["ReplicaSet".into()]);
+        assert_eq!(
+            validate_selectors(&unknown).map_err(|e| e.field),
+            Err("kinds")
+        );
     }
 }

@@ -190,7 +190,7 @@ fn decide(
         &namespace,
         labels.as_ref(),
         service_account,
-        std::iter::once(&record.labels).chain(siblings.iter()),
+        std::iter::once((kind, &record.labels)).chain(siblings.iter().map(|(k, l)| (*k, l))),
         policies.iter().map(Arc::as_ref),
         view.ownership(),
     );

@@ -54,7 +54,12 @@ impl PolicyView for StaticView {
     fn registers(&self, _: WorkloadKind) -> bool {
         true
     }
-    fn sibling_labels(&self, _: &str, _: &str, _: (WorkloadKind, &str)) -> Vec<Labels> {
+    fn sibling_labels(
+        &self,
+        _: &str,
+        _: &str,
+        _: (WorkloadKind, &str),
+    ) -> Vec<(WorkloadKind, Labels)> {
         Vec::new()
     }
 }

@@ -153,3 +153,34 @@ fn an_invalid_policy_is_not_ready_with_the_field_to_fix() {
     );
     assert!(ready.message.contains("ttl"), "{}", ready.message);
 }
+
+/// `kubectl get sreg` keeps its total; the status also counts by kind. A policy limited to
+/// CronJobs governs the service account one of them runs as, and with it the Deployment of
+/// that account (one identity per account); an account with no CronJob is not its.
+#[test]
+fn workloads_are_counted_by_kind() {
+    use crate::keys::WorkloadKind::{CronJob, Deployment};
+    let cron_only = Arc::new(mk_policy("cron", 1, |s| s.kinds = vec!["CronJob".into()]));
+    let mut tick = crate::index::WorkloadRecord::clone(&recorded(mk_deployment(
+        "a",
+        "tick",
+        Some("api"),
+        &[],
+    )));
+    tick.kind = CronJob;
+    let workloads = vec![
+        recorded(mk_deployment("a", "web", Some("api"), &[])),
+        Arc::new(tick),
+        recorded(mk_deployment("a", "alone", Some("other"), &[])),
+    ];
+    let status = status_of(&[cron_only], workloads, 0);
+    assert_eq!(status.selected_workloads, 2);
+    assert_eq!(status.entries, 1);
+    assert_eq!(
+        status.workloads_by_kind,
+        BTreeMap::from([
+            (Deployment.name().to_string(), 1),
+            (CronJob.name().to_string(), 1)
+        ])
+    );
+}
