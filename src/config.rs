@@ -24,7 +24,7 @@ pub struct RunArgs {
     pub transition_grace: Duration,
 
     /// How long an entry outlives its service account falling out of scope (namespace label
-    /// removed, policy deleted or changed) while its Deployments still exist.
+    /// removed, policy deleted or changed) while its workloads still exist.
     #[arg(long, env = "REGISTRAR_SCOPE_LOSS_GRACE", default_value = "10m", value_parser = parse_duration)]
     pub scope_loss_grace: Duration,
 
@@ -61,6 +61,13 @@ pub struct RunArgs {
         value_parser = parse_kind
     )]
     pub workload_kinds: Vec<WorkloadKind>,
+
+    /// Also register Pods that no controller owns (`kubectl run`): watched (every Pod of the
+    /// cluster is listed and watched, a cost on large clusters, hence off by default),
+    /// registered without a finalizer and annotated by the controller. Needs get/list/watch/
+    /// patch on pods (the chart's `config.barePods` adds them).
+    #[arg(long, env = "REGISTRAR_BARE_PODS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub bare_pods: bool,
 
     /// HTTPS address of the admission webhook.
     #[arg(long, env = "REGISTRAR_WEBHOOK_ADDR", default_value = "0.0.0.0:8443")]
@@ -270,15 +277,18 @@ impl SpireArgs {
     }
 }
 
-/// A workload kind by name or plural, any case.
+/// A workload kind with a Pod template, by name or plural, any case (bare Pods have a flag of
+/// their own).
 pub fn parse_kind(text: &str) -> Result<WorkloadKind, String> {
-    WorkloadKind::parse(text.trim()).ok_or_else(|| {
-        let known: Vec<_> = WorkloadKind::ALL.iter().map(|k| k.name()).collect();
-        format!(
-            "{text:?} is not a workload kind; known: {}",
-            known.join(", ")
-        )
-    })
+    WorkloadKind::parse(text.trim())
+        .filter(|kind| WorkloadKind::ALL.contains(kind))
+        .ok_or_else(|| {
+            let known: Vec<_> = WorkloadKind::ALL.iter().map(|k| k.name()).collect();
+            format!(
+                "{text:?} is not a workload kind; known: {} (bare Pods: --bare-pods)",
+                known.join(", ")
+            )
+        })
 }
 
 /// A flag's duration, in the same grammar as the CRD's TTL (`policy::duration`): 90s, 15m,
@@ -318,7 +328,8 @@ pub struct Settings {
     pub cluster: ClusterArgs,
     pub decide: DecideSettings,
     pub opt_in: OptIn,
-    /// Registered kinds, each once, in `WorkloadKind::ALL`'s order.
+    /// Registered kinds, each once, in `WorkloadKind::ALL`'s order, then `Pod` with
+    /// `--bare-pods`.
     pub workload_kinds: Vec<WorkloadKind>,
     pub webhook_addr: SocketAddr,
     pub admin_addr: SocketAddr,
@@ -377,6 +388,9 @@ impl RunArgs {
         workload_kinds.dedup();
         if workload_kinds.is_empty() {
             return Err(ConfigError::NoWorkloadKinds);
+        }
+        if self.bare_pods {
+            workload_kinds.push(WorkloadKind::Pod);
         }
         let spire = self.spire.endpoint()?;
         if !(1..=1000).contains(&self.spire_batch_size) {
@@ -449,5 +463,6 @@ mod tests {
         assert_eq!(parse_kind("job"), Ok(WorkloadKind::Job));
         let error = parse_kind("ReplicaSet").expect_err("not a workload kind");
         assert!(error.contains("Deployment, StatefulSet"), "{error}");
+        assert!(parse_kind("Pod").is_err(), "bare Pods have --bare-pods");
     }
 }

@@ -70,7 +70,8 @@ impl SaKey {
 }
 
 /// The built-in kinds of workload: objects with a Pod template whose Pods run as one service
-/// account. Every kind shares one index and one ref-count per (namespace, service account).
+/// account, and bare Pods (no controller owns them, `--bare-pods`). Every kind shares one
+/// index and one ref-count per (namespace, service account).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum WorkloadKind {
     Deployment,
@@ -78,9 +79,13 @@ pub enum WorkloadKind {
     DaemonSet,
     Job,
     CronJob,
+    /// A Pod no controller owns. Registered without a finalizer (a Pod's deletion is never
+    /// held) and not stamped by the webhook: the controller writes its annotations.
+    Pod,
 }
 
 impl WorkloadKind {
+    /// The kinds with a Pod template: stamped by the webhook and held by our finalizer.
     pub const ALL: [WorkloadKind; 5] = [
         WorkloadKind::Deployment,
         WorkloadKind::StatefulSet,
@@ -97,6 +102,7 @@ impl WorkloadKind {
             WorkloadKind::DaemonSet => "DaemonSet",
             WorkloadKind::Job => "Job",
             WorkloadKind::CronJob => "CronJob",
+            WorkloadKind::Pod => "Pod",
         }
     }
 
@@ -108,6 +114,7 @@ impl WorkloadKind {
             WorkloadKind::DaemonSet => "DaemonSetList",
             WorkloadKind::Job => "JobList",
             WorkloadKind::CronJob => "CronJobList",
+            WorkloadKind::Pod => "PodList",
         }
     }
 
@@ -118,6 +125,7 @@ impl WorkloadKind {
                 "apps/v1"
             }
             WorkloadKind::Job | WorkloadKind::CronJob => "batch/v1",
+            WorkloadKind::Pod => "v1",
         }
     }
 
@@ -129,6 +137,7 @@ impl WorkloadKind {
             WorkloadKind::DaemonSet => "daemonsets",
             WorkloadKind::Job => "jobs",
             WorkloadKind::CronJob => "cronjobs",
+            WorkloadKind::Pod => "pods",
         }
     }
 
@@ -139,16 +148,26 @@ impl WorkloadKind {
             .map_or("", |(group, _)| group)
     }
 
-    /// The version (the part of `api_version` after the slash).
+    /// The version (the part of `api_version` after the slash, all of it in the core group).
     pub fn version(self) -> &'static str {
-        self.api_version()
+        let api_version = self.api_version();
+        api_version
             .split_once('/')
-            .map_or("", |(_, version)| version)
+            .map_or(api_version, |(_, version)| version)
     }
 
     /// The cluster-wide collection's path on the apiserver.
     pub fn api_path(self) -> String {
-        format!("/apis/{}/{}", self.api_version(), self.plural())
+        match self.group() {
+            "" => format!("/api/{}/{}", self.version(), self.plural()),
+            _ => format!("/apis/{}/{}", self.api_version(), self.plural()),
+        }
+    }
+
+    /// Whether our finalizer holds its deletion until its entry's fate is settled (every kind
+    /// but bare Pods, whose deletion is the kubelet's business and must never wait on us).
+    pub fn takes_finalizer(self) -> bool {
+        self != WorkloadKind::Pod
     }
 
     /// What kube's dynamic API needs to reach the kind.
@@ -164,11 +183,12 @@ impl WorkloadKind {
             .find(|k| k.group() == group && k.version() == version && k.name() == kind)
     }
 
-    /// The kind a flag or a policy names (`Deployment`, `statefulset`, `jobs`: kind or
-    /// plural, any case).
+    /// The kind a flag or a policy names (`Deployment`, `statefulset`, `jobs`, `Pod`: kind
+    /// or plural, any case).
     pub fn parse(name: &str) -> Option<WorkloadKind> {
         Self::ALL
             .into_iter()
+            .chain([WorkloadKind::Pod])
             .find(|k| k.name().eq_ignore_ascii_case(name) || k.plural().eq_ignore_ascii_case(name))
     }
 }
@@ -204,6 +224,17 @@ mod tests {
         assert_eq!(WorkloadKind::from_gvk("batch", "v1", "Deployment"), None);
         assert_eq!(WorkloadKind::from_gvk("apps", "v1", "ReplicaSet"), None);
         assert_eq!(WorkloadKind::Job.api_path(), "/apis/batch/v1/jobs");
+        let pod = WorkloadKind::Pod;
+        assert_eq!((pod.group(), pod.version()), ("", "v1"));
+        assert_eq!(pod.api_path(), "/api/v1/pods");
+        assert_eq!(pod.api_resource().api_version, "v1");
+        assert_eq!(WorkloadKind::parse("pods"), Some(pod));
+        assert_eq!(
+            WorkloadKind::from_gvk("", "v1", "Pod"),
+            None,
+            "the webhook never stamps a Pod"
+        );
+        assert!(!pod.takes_finalizer() && WorkloadKind::ALL.iter().all(|k| k.takes_finalizer()));
     }
 
     #[test]

@@ -126,7 +126,7 @@ enum Command {
     /// Print the creates, updates and deletes a sync would do now; changes nothing.
     Plan(Box<RunArgs>),
     /// Take the registrar out of the cluster: delete the webhook configuration, then remove
-    /// our finalizer and annotations from every Deployment; SPIRE entries only with
+    /// our finalizer and annotations from every workload; SPIRE entries only with
     /// --delete-entries. Scale the registrar to 0 first.
     Uninstall(Box<spiffe_registrar::uninstall::UninstallArgs>),
     /// Print the SpiffeRegistration CRD as YAML.

@@ -3,9 +3,9 @@
 //!
 //! 1. Refuse while a replica still leads: its controller would stamp the finalizers back.
 //! 2. Delete the webhook configuration, so no admission adds them back either.
-//! 3. Remove our finalizer and annotations from every workload of every built-in kind (guarded
-//!    JSON Patches, the controller's own builder), so `kubectl delete` of a workload or a
-//!    namespace completes.
+//! 3. Remove our finalizer and annotations from every workload of every built-in kind, bare
+//!    Pods included (guarded JSON Patches, the controller's own builder), so `kubectl delete`
+//!    of a workload or a namespace completes.
 //! 4. Only with `--delete-entries`, delete our SPIRE entries. By default workloads keep their
 //!    identities: the operator may be moving to another registrar, and an entry deleted by
 //!    mistake takes identities away from running workloads.
@@ -178,10 +178,11 @@ async fn delete_webhook_configuration(client: &Client, name: &str) -> Result<boo
     }
 }
 
-/// Every kind's workloads cleaned: how many carried something of ours.
+/// Every kind's workloads cleaned, bare Pods' annotations included: how many carried
+/// something of ours.
 async fn clean_workloads(client: &Client) -> Result<usize, UninstallError> {
     let mut cleaned = 0;
-    for kind in WorkloadKind::ALL {
+    for kind in WorkloadKind::ALL.into_iter().chain([WorkloadKind::Pod]) {
         cleaned += clean_kind(client, kind).await?;
     }
     Ok(cleaned)

@@ -167,6 +167,42 @@ async fn a_dotted_service_account_gets_its_identity_without_the_dns_name_it_cann
     s.condition(&policy, "Ready", |c| c.status == "True").await;
 }
 
+/// Bare Pods are registered only with `--bare-pods` (off here, as by default): a Pod of an
+/// opted-in namespace that no controller owns gets no entry and no annotation.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bare_pod_gets_no_identity_without_the_flag() {
+    let bed = suite();
+    let (s, _) = scenario(bed.stack).await;
+    let ns = s.namespace(true).await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(s.client.clone(), &ns);
+    let pod = serde_json::from_value(json!({
+        "metadata": { "name": "solo" },
+        "spec": { "serviceAccountName": "solo", "containers": [{ "name": "app", "image": "registry.invalid/app:1" }] }
+    }))
+    .expect("Pod JSON");
+    pods.create(&PostParams::default(), &pod)
+        .await
+        .expect("create");
+    // A Deployment created after it is registered: the controller has seen the namespace.
+    s.registered(&ns, "web", "other").await;
+    bed.registrar.wait_syncs(bed.registrar.syncs(), 2.0).await;
+    assert!(
+        bed.stack
+            .spire_server
+            .entries_for(&spiffe_id(&ns, "solo"))
+            .is_empty()
+    );
+    let pod = pods.get("solo").await.expect("get");
+    let ours = pod
+        .metadata
+        .annotations
+        .unwrap_or_default()
+        .into_keys()
+        .filter(|k| k.starts_with("registrar.spiffe.io/"))
+        .collect::<Vec<_>>();
+    assert!(ours.is_empty(), "{ours:?}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn shared_service_account_shares_one_refcounted_entry() {
     let bed = suite();

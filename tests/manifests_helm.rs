@@ -211,6 +211,28 @@ const SET_BY_THE_CHART: &[&str] = &[
     "tls-key-file",  //   and extraVolumes
 ];
 
+/// Bare Pods cost a watch of every Pod and a grant on pods: only with `config.barePods`.
+#[test]
+fn bare_pods_bring_their_flag_and_their_grant_only_when_asked() {
+    let pods_rule = |rendered: &BTreeMap<String, Value>| {
+        rendered["ClusterRole//spiffe-registrar"]["rules"]
+            .as_array()
+            .expect("rules")
+            .iter()
+            .any(|rule| rule["resources"] == json!(["pods"]))
+    };
+    let args = |rendered: &BTreeMap<String, Value>| {
+        rendered["Deployment/identity/spiffe-registrar"]["spec"]["template"]["spec"]["containers"]
+            [0]["args"]
+            .to_string()
+    };
+    let off = objects(&template("identity", &[]));
+    assert!(!pods_rule(&off) && !args(&off).contains("--bare-pods"));
+    let on = objects(&template("identity", &["config.barePods=true"]));
+    assert!(pods_rule(&on), "the grant on pods");
+    assert!(args(&on).contains("--bare-pods=true"), "{}", args(&on));
+}
+
 #[test]
 fn every_run_flag_can_be_set_through_the_chart() {
     let (ok, help, stderr) =

@@ -8,7 +8,7 @@ mod common;
 
 use common::k8s::{annotation, create_namespace_with, eventually};
 use common::node::apply;
-use common::node_agent::{PSAT_CLUSTER, bare_pod, workload_deployment};
+use common::node_agent::{PSAT_CLUSTER, bare_pod, workload_deployment, workload_of_kind};
 use common::registrar::Registrar;
 use common::reports::{self, Line};
 use common::stack::{Held, unique};
@@ -221,6 +221,59 @@ async fn identity_withdrawn(stack: &Stack, pod: &str) {
 fn is_refusal(line: &Line) -> bool {
     matches!(line, Line::Error { error, .. }
         if error.contains("PermissionDenied") || error.contains("no identity issued"))
+}
+
+/// Every built-in kind, from the workload's side: a StatefulSet's, a DaemonSet's, a Job's and
+/// a CronJob's Pod (its Job made from it by `kubectl create job --from`) each hold the SVID
+/// their workload was annotated with at admission.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_of_every_kind_holds_the_svid_its_workload_was_annotated_with() {
+    use spiffe_registrar::keys::WorkloadKind::{self, CronJob, DaemonSet, Job, StatefulSet};
+    let bed = bed();
+    let stack = bed.stack;
+    let (s, _, ns) = world(stack).await;
+    let (node, agent) = stack.node();
+    let sockets = node.dir.join("agent-sockets");
+    let kinds = [StatefulSet, DaemonSet, Job, CronJob];
+    let name = |kind: WorkloadKind| kind.name().to_lowercase();
+    for kind in kinds {
+        let sa = format!("{}-sa", name(kind));
+        let yaml = workload_of_kind(kind, &ns, &name(kind), &sa, &agent.reports, &sockets);
+        apply(&stack.kube, &yaml);
+    }
+    let (ok, _, stderr) = s.kubectl(&[
+        "-n",
+        &ns,
+        "create",
+        "job",
+        "--from=cronjob/cronjob",
+        "cronjob",
+    ]);
+    assert!(ok, "kubectl create job --from: {stderr}");
+    for kind in kinds {
+        let sa = format!("{}-sa", name(kind));
+        let api: Api<kube::api::DynamicObject> =
+            Api::namespaced_with(s.client.clone(), &ns, &kind.api_resource());
+        let stamped = eventually(&format!("the {kind}'s spiffe-id"), SVID_WAIT, || async {
+            let object = api.get(&name(kind)).await.ok()?;
+            object
+                .metadata
+                .annotations?
+                .get(SPIFFE_ID_ANNOTATION)
+                .cloned()
+        })
+        .await;
+        assert_eq!(stamped, spiffe_id(&ns, &sa), "{kind}");
+        // A CronJob's Pods carry its name as their app label (its Job's template is its own).
+        let pod = running_pods(&s, &ns, &name(kind), 1).await.remove(0);
+        let lines = holding(stack, &pod, &[&stamped]).await;
+        let svids = reports::svid_sets(&lines);
+        assert_eq!(
+            svids.last().expect("an SVID set")[0].spiffe_id,
+            stamped,
+            "{kind}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -15,12 +15,14 @@ use kube::Api;
 use kube::api::{DeleteParams, DynamicObject, ListParams, PostParams};
 use serde_json::{Value, json};
 use spiffe_registrar::keys::WorkloadKind::{
-    self, CronJob, DaemonSet, Deployment, Job, StatefulSet,
+    self, CronJob, DaemonSet, Deployment, Job, Pod, StatefulSet,
 };
 use spiffe_registrar::names::{ENTRY_ID_ANNOTATION, FINALIZER, SPIFFE_ID_ANNOTATION};
 use std::sync::OnceLock;
 
+/// Bare Pods on: the Pods of the other kinds' workloads, which controllers own, are left out.
 const FLAGS: &[&str] = &[
+    "--bare-pods=true",
     "--resync-interval=10s",
     "--spire-rps=0",
     "--scope-loss-grace=2s",
@@ -36,6 +38,20 @@ fn suite() -> InSuite {
 /// `kind`'s objects in `ns`.
 fn api(s: &Scenario, ns: &str, kind: WorkloadKind) -> Api<DynamicObject> {
     Api::namespaced_with(s.client.clone(), ns, &kind.api_resource())
+}
+
+/// A bare Pod (no controller owns it) running as `sa`.
+fn bare_pod(name: &str, sa: &str) -> DynamicObject {
+    serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": { "name": name, "labels": { "app": name } },
+        "spec": {
+            "serviceAccountName": sa,
+            "containers": [{ "name": "app", "image": "registry.invalid/app:1" }]
+        }
+    }))
+    .expect("Pod JSON")
 }
 
 /// A minimal valid object of `kind` whose Pods run as `sa`; `spec` is merged into its spec.
@@ -65,6 +81,7 @@ fn manifest(kind: WorkloadKind, name: &str, sa: &str, spec: Value) -> DynamicObj
         CronJob => {
             json!({ "schedule": "0 0 1 1 *", "jobTemplate": { "spec": { "template": template } } })
         }
+        Pod => return bare_pod(name, sa),
     };
     if let (Some(into), Value::Object(extra)) = (object_spec.as_object_mut(), spec) {
         into.extend(extra);
@@ -332,4 +349,77 @@ async fn a_policy_limited_to_a_kind_registers_that_kind_and_counts_by_kind() {
     );
     let web = api(&s, &ns, Deployment).get("web").await.expect("get");
     assert!(!has_finalizer(&web) && annotation(&web, ENTRY_ID_ANNOTATION).is_none());
+}
+
+/// `--bare-pods`: a Pod no controller owns is registered and annotated by the controller,
+/// never carries our finalizer, and counts toward its service account like any workload; the
+/// Pods controllers own (a Deployment's) are not workloads of their own.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bare_pod_is_registered_without_a_finalizer_and_released_when_deleted() {
+    let bed = suite();
+    let s = Scenario::new(&bed.stack.kube).await;
+    s.default_policy().await;
+    let ns = s.namespace(true).await;
+    let spire = &bed.stack.spire_server;
+    create(
+        &s,
+        &ns,
+        &manifest(Deployment, "web", "shared", json!({})),
+        Deployment,
+    )
+    .await;
+    let shared = recorded(&s, &ns, Deployment, "web").await;
+    for (name, sa) in [("solo", "solo"), ("buddy", "shared")] {
+        let admitted = create(&s, &ns, &bare_pod(name, sa), Pod).await;
+        assert!(!has_finalizer(&admitted), "the webhook never stamps a Pod");
+    }
+    let pods = api(&s, &ns, Pod);
+    // Sampled until it is recorded: never a finalizer on the way.
+    let solo = eventually("the bare Pod's entry-id", WAIT, || async {
+        let pod = pods.get("solo").await.ok()?;
+        assert!(!has_finalizer(&pod), "{:?}", pod.metadata.finalizers);
+        annotation(&pod, ENTRY_ID_ANNOTATION).map(str::to_string)
+    })
+    .await;
+    let entries = spire.entries_for(&spiffe_id(&ns, "solo"));
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entry_id(&entries[0]), solo);
+    let pod = pods.get("solo").await.expect("get");
+    assert_eq!(
+        annotation(&pod, SPIFFE_ID_ANNOTATION),
+        Some(spiffe_id(&ns, "solo").as_str())
+    );
+    assert_eq!(
+        recorded(&s, &ns, Pod, "buddy").await,
+        shared,
+        "one entry per account"
+    );
+    eventually("a Registered Event on the bare Pod", WAIT, || async {
+        let reasons = event_reasons(&s, &ns, Pod, "solo").await;
+        reasons.iter().any(|r| r == "Registered").then_some(())
+    })
+    .await;
+    let owned = pods
+        .list(&ListParams::default().labels("app=web"))
+        .await
+        .expect("list");
+    for pod in &owned.items {
+        assert_eq!(
+            annotation(pod, ENTRY_ID_ANNOTATION),
+            None,
+            "a Deployment's Pod"
+        );
+    }
+
+    pods.delete("buddy", &DeleteParams::default())
+        .await
+        .expect("delete");
+    gone(&pods, Pod, "buddy").await;
+    bed.registrar.wait_syncs(bed.registrar.syncs(), 2.0).await;
+    let left = spire.entries_for(&spiffe_id(&ns, "shared"));
+    assert_eq!(left.len(), 1, "the Deployment still runs as it: {left:?}");
+    pods.delete("solo", &DeleteParams::default())
+        .await
+        .expect("delete");
+    spire.wait_none_for(&spiffe_id(&ns, "solo")).await;
 }

@@ -341,53 +341,67 @@ impl WorkloadStoreWriter {
         self.contents.write().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// An object added or changed; true when a decision reads what changed.
+    fn applied(&self, object: &WatchedWorkload) -> bool {
+        let mut contents = self.write();
+        let Contents {
+            by_namespace,
+            shared,
+            ..
+        } = &mut *contents;
+        let record = object.record(self.kind);
+        let key = (record.namespace.clone(), record.name.clone());
+        let previous = insert(by_namespace, shared, record);
+        let stored = &by_namespace[&key.0].records[&key.1];
+        let changed = previous
+            .as_ref()
+            .is_none_or(|old| old.differs_for_decisions(stored));
+        if changed {
+            self.changes.account(stored.service_account_key());
+            if let Some(old) = previous.filter(|old| old.service_account != stored.service_account)
+            {
+                // Moved to another service account: the old one lost a workload.
+                self.changes.account(old.service_account_key());
+            }
+        }
+        changed
+    }
+
+    /// An object gone; true when it was held.
+    fn deleted(&self, object: &WatchedWorkload) -> bool {
+        let record = object.record(self.kind);
+        let mut contents = self.write();
+        let namespace = contents.by_namespace.get_mut(&*record.namespace);
+        let removed = namespace.and_then(|n| n.remove(&record.name));
+        if let Some(removed) = &removed {
+            contents.shared.released();
+            self.changes.account(removed.service_account_key());
+        }
+        if contents
+            .by_namespace
+            .get(&*record.namespace)
+            .is_some_and(|n| n.len() == 0)
+        {
+            contents.by_namespace.remove(&*record.namespace);
+        }
+        removed.is_some()
+    }
+
     /// Applies one watch event; true when it changed something a decision reads (status
-    /// updates, rollouts and other writers' annotations do not).
+    /// updates, rollouts and other writers' annotations do not). Of Pods, only bare ones are
+    /// kept: a Pod a controller owns (or comes to own, by adoption) is as good as deleted.
     pub fn apply(&self, event: watcher::Event<WatchedWorkload>) -> bool {
+        let owned =
+            |object: &WatchedWorkload| self.kind == WorkloadKind::Pod && object.controlled();
+        let event = match event {
+            watcher::Event::Apply(pod) if owned(&pod) => watcher::Event::Delete(pod),
+            // Not listed: the relist's table is swapped in whole.
+            watcher::Event::InitApply(pod) if owned(&pod) => return false,
+            event => event,
+        };
         match event {
-            watcher::Event::Apply(object) => {
-                let mut contents = self.write();
-                let Contents {
-                    by_namespace,
-                    shared,
-                    ..
-                } = &mut *contents;
-                let record = object.record(self.kind);
-                let key = (record.namespace.clone(), record.name.clone());
-                let previous = insert(by_namespace, shared, record);
-                let stored = &by_namespace[&key.0].records[&key.1];
-                let changed = previous
-                    .as_ref()
-                    .is_none_or(|old| old.differs_for_decisions(stored));
-                if changed {
-                    self.changes.account(stored.service_account_key());
-                    if let Some(old) =
-                        previous.filter(|old| old.service_account != stored.service_account)
-                    {
-                        // Moved to another service account: the old one lost a Deployment.
-                        self.changes.account(old.service_account_key());
-                    }
-                }
-                changed
-            }
-            watcher::Event::Delete(object) => {
-                let record = object.record(self.kind);
-                let mut contents = self.write();
-                let namespace = contents.by_namespace.get_mut(&*record.namespace);
-                let removed = namespace.and_then(|n| n.remove(&record.name));
-                if let Some(removed) = &removed {
-                    contents.shared.released();
-                    self.changes.account(removed.service_account_key());
-                }
-                if contents
-                    .by_namespace
-                    .get(&*record.namespace)
-                    .is_some_and(|n| n.len() == 0)
-                {
-                    contents.by_namespace.remove(&*record.namespace);
-                }
-                removed.is_some()
-            }
+            watcher::Event::Apply(object) => self.applied(&object),
+            watcher::Event::Delete(object) => self.deleted(&object),
             watcher::Event::Init => {
                 self.write().relisting = Some(HashMap::new());
                 false
@@ -534,6 +548,37 @@ mod tests {
         assert_eq!(names, ["CronJob web", "Deployment web", "StatefulSet db"]);
         cron_jobs.apply(watcher::Event::Delete(watched("a", "web", "api", "3")));
         assert_eq!(store.running_as("a", "api").len(), 2);
+    }
+
+    /// Of Pods, only bare ones are held: an owned Pod is never listed, and a bare Pod that a
+    /// controller adopts is dropped.
+    #[tokio::test]
+    async fn only_bare_pods_are_held() {
+        let (store, mut writers) = store_telling(&[WorkloadKind::Pod], Changes::default());
+        let writer = writers.remove(0);
+        let owned = |name: &str, version: &str| {
+            let mut pod = watched("a", name, "api", version);
+            pod.metadata.owner_references = Some(super::super::workload::controller_reference());
+            pod
+        };
+        writer.apply(watcher::Event::Init);
+        writer.apply(watcher::Event::InitApply(watched("a", "solo", "api", "1")));
+        writer.apply(watcher::Event::InitApply(owned("web-x1", "2")));
+        writer.apply(watcher::Event::InitDone);
+        store.wait_until_ready().await;
+        let names = |store: &WorkloadStore| -> Vec<String> {
+            store.state().iter().map(|r| r.name.to_string()).collect()
+        };
+        assert_eq!(names(&store), ["solo"]);
+        assert!(
+            !writer.apply(watcher::Event::Apply(owned("web-x2", "3"))),
+            "never held"
+        );
+        assert!(
+            writer.apply(watcher::Event::Apply(owned("solo", "4"))),
+            "adopted"
+        );
+        assert!(store.is_empty());
     }
 
     #[tokio::test]

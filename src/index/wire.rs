@@ -149,6 +149,8 @@ fn template_path(workload: WorkloadKind) -> &'static [u32] {
         WorkloadKind::Job => &[6],
         // CronJobSpec.jobTemplate → JobTemplateSpec.spec → JobSpec.template
         WorkloadKind::CronJob => &[5, 2, 6],
+        // A Pod's spec is the Pod spec itself (see `into_watched`).
+        WorkloadKind::Pod => &[],
     }
 }
 
@@ -288,8 +290,18 @@ struct Meta {
     /// Map entries left encoded: only ours are decoded (`ours`).
     #[prost(bytes = "bytes", repeated, tag = "12")]
     annotations: Vec<Bytes>,
+    /// Left encoded: only whether one names a controller is read (`controlled`).
+    #[prost(bytes = "bytes", repeated, tag = "13")]
+    owner_references: Vec<Bytes>,
     #[prost(string, repeated, tag = "14")]
     finalizers: Vec<String>,
+}
+
+/// An OwnerReference, for its `controller` flag alone.
+#[derive(Clone, PartialEq, Message)]
+struct OwnerReference {
+    #[prost(bool, optional, tag = "6")]
+    controller: Option<bool>,
 }
 
 /// A map entry whose value stays a slice of the frame until we know we keep it.
@@ -326,14 +338,15 @@ struct PodSpec {
 impl Workload {
     fn into_watched(self, workload: WorkloadKind) -> WatchedWorkload {
         let meta = self.metadata.unwrap_or_default();
-        let template = template_path(workload)
-            .iter()
-            .try_fold(self.spec.unwrap_or_default(), |inner, tag| {
-                field(inner, *tag)
-            });
-        let pod = template
-            .and_then(|t| PodTemplateSpec::decode(t).ok())
-            .and_then(|t| t.spec);
+        let spec = self.spec.unwrap_or_default();
+        let pod = match workload {
+            WorkloadKind::Pod => PodSpec::decode(spec).ok(),
+            _ => template_path(workload)
+                .iter()
+                .try_fold(spec, |inner, tag| field(inner, *tag))
+                .and_then(|t| PodTemplateSpec::decode(t).ok())
+                .and_then(|t| t.spec),
+        };
         let (service_account_name, service_account) = pod.map_or((None, None), |p| {
             (p.service_account_name, p.service_account)
         });
@@ -358,8 +371,12 @@ impl Meta {
             deletion_timestamp,
             labels,
             annotations,
+            owner_references,
             finalizers,
         } = self;
+        let controlled = owner_references.into_iter().any(|reference| {
+            OwnerReference::decode(reference).is_ok_and(|r| r.controller == Some(true))
+        });
         ObjectMeta {
             name,
             namespace,
@@ -370,6 +387,7 @@ impl Meta {
             labels: (!labels.is_empty()).then_some(labels),
             annotations: (!annotations.is_empty()).then(|| ours(annotations)),
             finalizers: (!finalizers.is_empty()).then_some(finalizers),
+            owner_references: controlled.then(super::workload::controller_reference),
             ..ObjectMeta::default()
         }
     }
@@ -747,5 +765,36 @@ mod tests {
             &*watched.record(WorkloadKind::CronJob).service_account,
             "default"
         );
+    }
+
+    /// A Pod's spec is the Pod spec itself; its owner references say whether it is bare.
+    #[test]
+    fn a_pod_yields_its_service_account_and_whether_a_controller_owns_it() {
+        let owner = |controller: Option<bool>| OwnerReference { controller }.encode_to_vec().into();
+        for (references, controlled) in [
+            (vec![], false),
+            (vec![owner(None), owner(Some(false))], false),
+            (vec![owner(Some(false)), owner(Some(true))], true),
+        ] {
+            let mut spec = beside();
+            spec.extend(
+                PodSpec {
+                    service_account_name: Some("solo".into()),
+                    service_account: None,
+                }
+                .encode_to_vec(),
+            );
+            let object = Workload {
+                metadata: Some(Meta {
+                    name: Some("p".into()),
+                    owner_references: references,
+                    ..Meta::default()
+                }),
+                spec: Some(spec.into()),
+            };
+            let watched = object.into_watched(WorkloadKind::Pod);
+            assert_eq!(watched.controlled(), controlled);
+            assert_eq!(&*watched.record(WorkloadKind::Pod).service_account, "solo");
+        }
     }
 }

@@ -12,7 +12,7 @@ use crate::policy::Labels;
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::ObjectReference;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
 use serde::Deserialize;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
@@ -251,6 +251,16 @@ impl WatchedWorkload {
 
     /// The record of this object as a `kind` (the watch it came from, or the admission
     /// request's kind).
+    /// Whether a controller owns it (a Pod of a ReplicaSet, a Job of a CronJob): a Pod that
+    /// is not bare.
+    pub fn controlled(&self) -> bool {
+        self.metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|reference| reference.controller == Some(true))
+    }
+
     pub fn record(&self, kind: WorkloadKind) -> WorkloadRecord {
         let spec = self.spec.as_ref();
         let template = spec.and_then(|s| s.template.as_ref()).or_else(|| {
@@ -314,6 +324,24 @@ struct LeanMeta {
     annotations: Option<BTreeMap<String, String>>,
     #[serde(default)]
     finalizers: Option<Vec<String>>,
+    #[serde(default)]
+    owner_references: Option<Vec<LeanOwner>>,
+}
+
+/// An owner reference, for whether it names a controller.
+#[derive(Deserialize)]
+struct LeanOwner {
+    #[serde(default)]
+    controller: Option<bool>,
+}
+
+/// What the decoders keep of an object's owner references when one names a controller: the
+/// flag alone (`WatchedWorkload::controlled`).
+pub(super) fn controller_reference() -> Vec<OwnerReference> {
+    vec![OwnerReference {
+        controller: Some(true),
+        ..OwnerReference::default()
+    }]
 }
 
 fn lean_metadata<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta, D::Error> {
@@ -327,7 +355,12 @@ fn lean_metadata<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMet
         labels,
         annotations,
         finalizers,
+        owner_references,
     } = LeanMeta::deserialize(deserializer)?;
+    let controlled = owner_references
+        .iter()
+        .flatten()
+        .any(|owner| owner.controller == Some(true));
     Ok(ObjectMeta {
         name,
         namespace,
@@ -338,6 +371,7 @@ fn lean_metadata<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMet
         labels,
         annotations,
         finalizers,
+        owner_references: controlled.then(controller_reference),
         ..ObjectMeta::default()
     })
 }

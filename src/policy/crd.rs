@@ -97,10 +97,11 @@ pub struct SpiffeRegistrationSpec {
     pub deployment_selector: Option<PolicySelector>,
 
     /// The kinds of workload this policy applies to, among Deployment, StatefulSet,
-    /// DaemonSet, Job and CronJob. Unset or empty: every kind the registrar registers.
+    /// DaemonSet, Job, CronJob and Pod (bare Pods, with `--bare-pods`). Unset or empty: every
+    /// kind the registrar registers.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[x_kube(validation = Rule::new("self.all(k, k in ['Deployment', 'StatefulSet', 'DaemonSet', 'Job', 'CronJob'])").message("kinds: each one of Deployment, StatefulSet, DaemonSet, Job, CronJob"))]
-    #[schemars(length(max = 5), inner(length(max = 32)))]
+    #[x_kube(validation = Rule::new("self.all(k, k in ['Deployment', 'StatefulSet', 'DaemonSet', 'Job', 'CronJob', 'Pod'])").message("kinds: each one of Deployment, StatefulSet, DaemonSet, Job, CronJob, Pod"))]
+    #[schemars(length(max = 6), inner(length(max = 32)))]
     pub kinds: Vec<String>,
 
     /// When several policies match workloads of one service account, the highest priority

@@ -1,8 +1,11 @@
-//! The scale benchmark: N realistic Deployments under kube-controller-manager, then the
+//! The scale benchmark: N realistic workloads under kube-controller-manager, then the
 //! registrar from a cold start. Prints one JSON object on stdout; progress goes to stderr.
 //!
 //!   cargo run --release --example scale -- --deployments 10000 [--rest-seconds 300]
-//!       [--datastore sqlite|sqlite-analyzed|postgres]
+//!       [--datastore sqlite|sqlite-analyzed|postgres] [--kinds deployments|mixed]
+//!
+//! `--kinds mixed` makes workload i a Deployment, StatefulSet, DaemonSet, Job or CronJob in
+//! turn (i mod 5), so the two workloads of each service account are of different kinds.
 //!
 //! PostgreSQL is Debian's, installed by `tests/testenv/postgres.sh` where missing.
 //! `sqlite-analyzed` gives SPIRE's SQLite planner statistics first: as shipped, each create
@@ -13,6 +16,7 @@ mod common;
 
 use common::args::flag;
 use common::scale::Datastore;
+use spiffe_registrar::keys::WorkloadKind;
 use std::time::Duration;
 
 #[tokio::main]
@@ -25,8 +29,17 @@ async fn main() {
             std::process::exit(2);
         })
     });
+    let kinds: &'static [WorkloadKind] = match flag("--kinds").as_deref() {
+        None | Some("deployments") => &[WorkloadKind::Deployment],
+        Some("mixed") => &WorkloadKind::ALL,
+        Some(other) => {
+            eprintln!("--kinds {other}: deployments or mixed");
+            std::process::exit(2);
+        }
+    };
     let report = common::scale::run(common::scale::Config {
         deployments,
+        kinds,
         rest: Duration::from_secs(rest),
         datastore,
         write_queue_bound: None,

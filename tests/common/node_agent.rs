@@ -269,6 +269,58 @@ spec:
     )
 }
 
+/// A workload of `kind` (StatefulSet, DaemonSet, Job or CronJob) whose Pods run the bed's
+/// workload as `service_account`, labelled `app: <name>` like a Deployment's. A CronJob is
+/// never due in a test's lifetime: its Jobs are made with `kubectl create job --from`.
+pub fn workload_of_kind(
+    kind: spiffe_registrar::keys::WorkloadKind,
+    namespace: &str,
+    name: &str,
+    service_account: &str,
+    reports: &std::path::Path,
+    sockets: &std::path::Path,
+) -> String {
+    use spiffe_registrar::keys::WorkloadKind::{
+        CronJob, DaemonSet, Deployment, Job, Pod, StatefulSet,
+    };
+    if kind == Pod {
+        return bare_pod(namespace, name, service_account, reports, sockets);
+    }
+    let mut pod = pod_spec(service_account, reports, sockets);
+    if matches!(kind, Job | CronJob) {
+        pod.push_str("restartPolicy: Never\n");
+    }
+    let template = format!(
+        "metadata:\n  labels:\n    app: {name}\nspec:\n{}",
+        indent(&pod, 2)
+    );
+    let selector = format!("selector:\n  matchLabels:\n    app: {name}\n");
+    let spec = match kind {
+        Deployment | StatefulSet => format!(
+            "replicas: 1\nserviceName: {name}\n{selector}template:\n{}",
+            indent(&template, 2)
+        ),
+        DaemonSet => format!("{selector}template:\n{}", indent(&template, 2)),
+        Job => format!("backoffLimit: 0\ntemplate:\n{}", indent(&template, 2)),
+        CronJob => format!(
+            "schedule: \"0 0 1 1 *\"\njobTemplate:\n  spec:\n    backoffLimit: 0\n    template:\n{}",
+            indent(&template, 6)
+        ),
+        Pod => unreachable!("returned above"),
+    };
+    let spec = if kind == Deployment {
+        spec.replace(&format!("serviceName: {name}\n"), "")
+    } else {
+        spec
+    };
+    format!(
+        "apiVersion: {}\nkind: {}\nmetadata:\n  name: {name}\n  namespace: {namespace}\n  labels:\n    app: {name}\nspec:\n{}",
+        kind.api_version(),
+        kind.name(),
+        indent(&spec, 2)
+    )
+}
+
 /// A bare Pod of the bed's workload (no controller owns it).
 pub fn bare_pod(
     namespace: &str,

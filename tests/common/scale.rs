@@ -1,9 +1,10 @@
 //! The scale benchmark, shared by `cargo run --release --example scale` (the
 //! numbers in docs/benchmarks.md) and a small-N test (so it cannot rot).
 //!
-//! Realistic Deployments (kubectl's `last-applied-configuration`, ~4 KB each, two per service
-//! account, 50 namespaces) exist first, under kube-controller-manager; then the registrar
-//! starts, so convergence is a cold start with no load generator in the figure.
+//! Realistic workloads (kubectl's `last-applied-configuration`, ~4 KB each, two per service
+//! account, 50 namespaces; Deployments, or every kind in turn) exist first, under
+//! kube-controller-manager; then the registrar starts, so convergence is a cold start with no
+//! load generator in the figure.
 
 use super::k8s::{
     create_namespace, create_webhook_configuration_skipping, install_crd, policy, token_kubeconfig,
@@ -14,13 +15,15 @@ use super::registrar::{Options, Registrar};
 use super::sampler::spire_client;
 use super::stack::{Stack, kubectl_ok};
 use futures::StreamExt;
-use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use k8s_openapi::api::apps::v1::ReplicaSet;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{
-    DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
+    DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams, WatchEvent,
+    WatchParams,
 };
 use kube::{Api, Client};
 use serde_json::{Value, json};
+use spiffe_registrar::keys::WorkloadKind;
 use spiffe_registrar::policy::SpiffeRegistration;
 use spiffe_registrar::spire::client::{ClientSettings, GrpcEntryClient};
 use spiffe_registrar::spire::metrics::SpireMetrics;
@@ -41,7 +44,11 @@ const WAIT: Duration = Duration::from_secs(3600);
 
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// How many workloads (Deployments unless `kinds` says otherwise).
     pub deployments: usize,
+    /// Workload `i` is of kind `kinds[i % kinds.len()]`; the two workloads of a service account
+    /// are then of different kinds (one entry ref-counted across kinds).
+    pub kinds: &'static [WorkloadKind],
     /// How long to count SPIRE calls at rest (docs/benchmarks.md's figures use 300 s).
     pub rest: Duration,
     pub datastore: Datastore,
@@ -102,49 +109,86 @@ fn progress(what: &str) {
     eprintln!("[scale] {what}");
 }
 
-/// A Deployment as `kubectl apply` leaves it: ~4 KB of last-applied-configuration.
-fn realistic(name: &str, service_account: &str) -> Deployment {
+/// A workload of `kind` as `kubectl apply` leaves it: ~4 KB of last-applied-configuration.
+/// Jobs never finish (no node runs their Pods) and CronJobs are never due.
+fn realistic(kind: WorkloadKind, name: &str, service_account: &str) -> DynamicObject {
     let env: Vec<Value> = (0..40)
         .map(|i| json!({ "name": format!("SETTING_{i:02}"), "value": format!("value-{i:02}-{}", "x".repeat(48)) }))
         .collect();
-    let mut object = json!({
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": { "name": name, "labels": { "app": name, "tier": "backend" } },
+    let restart = if matches!(kind, WorkloadKind::Job | WorkloadKind::CronJob) {
+        "Never"
+    } else {
+        "Always"
+    };
+    let template = json!({
+        "metadata": { "labels": { "app": name, "tier": "backend" } },
         "spec": {
-            "replicas": 1,
-            "selector": { "matchLabels": { "app": name } },
-            "template": {
-                "metadata": { "labels": { "app": name, "tier": "backend" } },
-                "spec": {
-                    "serviceAccountName": service_account,
-                    "containers": [{ "name": "app", "image": "registry.invalid/app:1", "env": env }]
-                }
-            }
+            "serviceAccountName": service_account,
+            "restartPolicy": restart,
+            "containers": [{ "name": "app", "image": "registry.invalid/app:1", "env": env }]
         }
+    });
+    let selector = json!({ "matchLabels": { "app": name } });
+    let spec = match kind {
+        WorkloadKind::Deployment => {
+            json!({ "replicas": 1, "selector": selector, "template": template })
+        }
+        WorkloadKind::StatefulSet => {
+            json!({ "replicas": 1, "serviceName": name, "selector": selector, "template": template })
+        }
+        WorkloadKind::DaemonSet => json!({ "selector": selector, "template": template }),
+        WorkloadKind::Job => json!({ "backoffLimit": 0, "template": template }),
+        WorkloadKind::CronJob => {
+            json!({ "schedule": "0 0 1 1 *", "jobTemplate": { "spec": { "template": template } } })
+        }
+        WorkloadKind::Pod => template["spec"].clone(),
+    };
+    let mut object = json!({
+        "apiVersion": kind.api_version(),
+        "kind": kind.name(),
+        "metadata": { "name": name, "labels": { "app": name, "tier": "backend" } },
+        "spec": spec,
     });
     let applied = serde_json::to_string(&object).expect("serializes");
     object["metadata"]["annotations"] =
         json!({ "kubectl.kubernetes.io/last-applied-configuration": applied });
-    serde_json::from_value(object).expect("a Deployment")
+    serde_json::from_value(object).expect("a workload")
 }
 
 fn namespace_of(i: usize) -> String {
     format!("scale-{}", (i / 2) % NAMESPACES)
 }
 
-async fn create_all(client: &Client, range: std::ops::Range<usize>) {
+fn kind_of(kinds: &[WorkloadKind], i: usize) -> WorkloadKind {
+    kinds[i % kinds.len()]
+}
+
+/// Workload `i`'s API.
+fn api_of(client: &Client, kinds: &[WorkloadKind], i: usize) -> Api<DynamicObject> {
+    let kind = kind_of(kinds, i);
+    Api::namespaced_with(client.clone(), &namespace_of(i), &kind.api_resource())
+}
+
+async fn create_all(client: &Client, kinds: &[WorkloadKind], range: std::ops::Range<usize>) {
     futures::stream::iter(range)
         .for_each_concurrent(32, |i| {
-            let api: Api<Deployment> = Api::namespaced(client.clone(), &namespace_of(i));
+            let api = api_of(client, kinds, i);
             async move {
-                let d = realistic(&format!("d{i}"), &format!("sa{}", i / 2));
-                api.create(&PostParams::default(), &d)
+                let name = format!("d{i}");
+                let workload = realistic(kind_of(kinds, i), &name, &format!("sa{}", i / 2));
+                api.create(&PostParams::default(), &workload)
                     .await
                     .expect("create");
             }
         })
         .await;
+}
+
+/// How many of workloads `0..count` are of a kind in `of`.
+fn how_many(kinds: &[WorkloadKind], count: usize, of: &[WorkloadKind]) -> usize {
+    (0..count)
+        .filter(|i| of.contains(&kind_of(kinds, *i)))
+        .count()
 }
 
 fn proc_field(pid: i32, key: &str) -> f64 {
@@ -223,13 +267,15 @@ where
     }
 }
 
-/// Deployment status writes the apiserver has served (its `apiserver_request_total`).
+/// Workload status writes the apiserver has served (its `apiserver_request_total`).
 fn status_writes(stack: &Stack) -> f64 {
     apiserver_metrics(stack)
         .lines()
         .filter(|l| {
             l.starts_with("apiserver_request_total{")
-                && l.contains("resource=\"deployments\"")
+                && WorkloadKind::ALL
+                    .iter()
+                    .any(|k| l.contains(&format!("resource=\"{}\"", k.plural())))
                 && l.contains("subresource=\"status\"")
                 && ["PUT", "PATCH", "UPDATE"]
                     .iter()
@@ -298,6 +344,7 @@ async fn raw_create_seconds(socket: &std::path::Path, count: usize) -> f64 {
 pub async fn run(config: Config) -> Value {
     let Config {
         deployments,
+        kinds,
         rest,
         datastore,
         write_queue_bound,
@@ -336,20 +383,25 @@ pub async fn run(config: Config) -> Value {
         "creating {deployments} Deployments (no registrar yet)"
     ));
     let created = Instant::now();
-    create_all(&client, 0..deployments).await;
+    create_all(&client, kinds, 0..deployments).await;
     progress(&format!(
         "created in {:.1} s",
         created.elapsed().as_secs_f64()
     ));
-    // kube-controller-manager makes a ReplicaSet and a Pod per Deployment: that is the load
-    // generator's aftermath, and it must be over before the registrar's clock starts.
+    // kube-controller-manager makes a ReplicaSet per Deployment and a Pod per Deployment,
+    // StatefulSet and Job (a DaemonSet's need a node, a CronJob's Jobs are never due): that
+    // is the load generator's aftermath, and it must be over before the registrar's clock
+    // starts.
+    use WorkloadKind::{DaemonSet, Deployment, Job, StatefulSet};
     let settling = Instant::now();
     let replica_sets: Api<ReplicaSet> = Api::all(client.clone());
     let pods: Api<Pod> = Api::all(client.clone());
+    let want_replica_sets = how_many(kinds, deployments, &[Deployment]);
+    let want_pods = how_many(kinds, deployments, &[Deployment, StatefulSet, Job]);
     until("kube-controller-manager to settle", settling, async || {
         // It exits when it loses its Lease to an overloaded apiserver; nothing would settle.
         stack.kube.controller_manager.assert_alive();
-        count(&replica_sets).await >= deployments && count(&pods).await >= deployments
+        count(&replica_sets).await >= want_replica_sets && count(&pods).await >= want_pods
     })
     .await;
     progress(&format!(
@@ -364,7 +416,7 @@ pub async fn run(config: Config) -> Value {
     let raw_patch = Instant::now();
     futures::stream::iter(0..sample)
         .for_each_concurrent(16, |i| {
-            let api: Api<Deployment> = Api::namespaced(client.clone(), &namespace_of(i));
+            let api = api_of(&client, kinds, i);
             async move {
                 let patch =
                     json!({ "metadata": { "annotations": { "bench.spiffe.io/raw-patch": "1" } } });
@@ -430,7 +482,7 @@ pub async fn run(config: Config) -> Value {
 
     let extra = (deployments / 10).max(1);
     let live = Instant::now();
-    create_all(&client, deployments..deployments + extra).await;
+    create_all(&client, kinds, deployments..deployments + extra).await;
     let live_annotations_s = until(
         "the live Deployments' entry-ids",
         live,
@@ -446,14 +498,26 @@ pub async fn run(config: Config) -> Value {
     let status_writes_before = status_writes(&stack);
     let cpu_before = cpu_seconds(pid);
     let rolling = Instant::now();
-    futures::stream::iter(0..rolled)
+    // A Job's template cannot change; a CronJob's change writes no status.
+    let status_writers = how_many(kinds, rolled, &[Deployment, StatefulSet, DaemonSet]);
+    futures::stream::iter((0..rolled).filter(|i| kind_of(kinds, *i) != Job))
         .for_each_concurrent(32, |i| {
-            let api: Api<Deployment> = Api::namespaced(client.clone(), &namespace_of(i));
+            let api = api_of(&client, kinds, i);
+            let annotated = json!({ "metadata": { "annotations": { "rollout": "2" } } });
+            let patch = match kind_of(kinds, i) {
+                WorkloadKind::CronJob => {
+                    json!({ "spec": { "jobTemplate": { "spec": { "template": annotated } } } })
+                }
+                _ => json!({ "spec": { "template": annotated } }),
+            };
             async move {
-                let patch = json!({ "spec": { "template": { "metadata": { "annotations": { "rollout": "2" } } } } });
-                api.patch(&format!("d{i}"), &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                    .expect("rollout");
+                api.patch(
+                    &format!("d{i}"),
+                    &PatchParams::default(),
+                    &Patch::Merge(&patch),
+                )
+                .await
+                .expect("rollout");
             }
         })
         .await;
@@ -473,7 +537,7 @@ pub async fn run(config: Config) -> Value {
             if now != last.0 {
                 last = (now, Instant::now());
             }
-            now >= status_writes_before + rolled as f64
+            now >= status_writes_before + status_writers as f64
                 && last.1.elapsed() >= Duration::from_secs(5)
         },
     )
@@ -556,6 +620,7 @@ pub async fn run(config: Config) -> Value {
             .max(1.0);
     let report = json!({
         "deployments": deployments,
+        "kinds": kinds.iter().map(|k| k.name()).collect::<Vec<_>>(),
         "entries": service_accounts,
         "entries_s": entries_s,
         "annotations_s": annotations_s,

@@ -58,9 +58,12 @@ pub fn workload_writes(
             .get(&(&*sa.namespace, &*sa.service_account))
             .map(Vec::as_slice)
             .unwrap_or_default();
-        let Some(outcome) = decide_workload(workload, account, ours_left, &facts, memory) else {
+        let Some(mut outcome) = decide_workload(workload, account, ours_left, &facts, memory)
+        else {
             continue;
         };
+        // A bare Pod's deletion is never held: it gets our annotations, not our finalizer.
+        outcome.change.add_finalizer &= key.kind.takes_finalizer();
         let mut announce: Vec<Announce> = outcome.announce.into_iter().collect();
         announce.extend(conflict_note(workload, account));
         announce.extend(dns_note(workload, account));

@@ -43,6 +43,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   (list "nodeAliasCluster" "node-alias-cluster")
   (list "namespaceLabel" "namespace-label")
   (list "workloadKinds" "workload-kinds")
+  (list "barePods" "bare-pods")
   (list "transitionGrace" "transition-grace")
   (list "scopeLossGrace" "scope-loss-grace")
   (list "deletionBrakeCount" "deletion-brake-count")

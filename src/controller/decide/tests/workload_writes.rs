@@ -325,3 +325,35 @@ fn the_ref_count_spans_kinds_and_a_finished_job_holds_until_deleted() {
     let job_write = writes.iter().find(|x| x.key == job).expect("the Job");
     assert!(job_write.change.remove_finalizer, "then the finalizer");
 }
+
+/// A bare Pod gets its annotations and Events like any workload, never our finalizer.
+#[test]
+fn a_bare_pod_is_annotated_and_never_given_the_finalizer() {
+    let mut w = World::new();
+    let (pod, web) = (wk(WorkloadKind::Pod, "a", "solo"), dk("a", "web"));
+    let e = rendered(&w.o, "a", "api", "spiffe://td/p");
+    w.account_of(
+        "a",
+        "api",
+        &[pod.clone(), web.clone()],
+        SaState::Needs {
+            policy: "p".into(),
+            entry: e.clone().into(),
+        },
+    );
+    for key in [&pod, &web] {
+        w.desired
+            .workloads
+            .get_mut(key)
+            .expect("added")
+            .has_finalizer = false;
+    }
+    let plan = w.decide(0);
+    w.apply(&plan);
+    let writes = w.writes(&plan, &Failures::new());
+    let of = |key: &WorkloadKey| writes.iter().find(|x| &x.key == key).expect("a write");
+    assert!(of(&web).change.add_finalizer, "a Deployment is held");
+    assert!(!of(&pod).change.add_finalizer, "a Pod never is");
+    assert_eq!(of(&pod).change.entry_id, Some(Some(e.id.as_str().into())));
+    assert_eq!(of(&pod).announce[0].reason, "Registered");
+}
