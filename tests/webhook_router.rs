@@ -199,6 +199,75 @@ async fn objects_being_deleted_are_never_stamped() {
     );
 }
 
+/// Every kind with a Pod template is stamped with the identity of the account its Pods run
+/// as: a CronJob's is under `spec.jobTemplate.spec.template`. A Pod (bare Pods are the
+/// controller's) and a kind of another group are left alone.
+#[tokio::test]
+async fn every_workload_kind_is_stamped_from_its_pod_template() {
+    let template = |sa: &str| json!({ "metadata": { "labels": { "app": "web" } }, "spec": { "serviceAccountName": sa, "containers": [] } });
+    let cases = [
+        (
+            "apps",
+            "StatefulSet",
+            json!({ "serviceName": "web", "template": template("db") }),
+            Some("db"),
+        ),
+        (
+            "apps",
+            "DaemonSet",
+            json!({ "template": template("agent") }),
+            Some("agent"),
+        ),
+        (
+            "batch",
+            "Job",
+            json!({ "template": template("batch") }),
+            Some("batch"),
+        ),
+        (
+            "batch",
+            "CronJob",
+            json!({ "schedule": "* * * * *", "jobTemplate": { "spec": { "template": template("cron") } } }),
+            Some("cron"),
+        ),
+        (
+            "",
+            "Pod",
+            json!({ "serviceAccountName": "solo", "containers": [] }),
+            None,
+        ),
+        (
+            "extensions",
+            "Deployment",
+            json!({ "template": template("old") }),
+            None,
+        ),
+    ];
+    for (group, kind, spec, sa) in cases {
+        let body = fixture(|r| {
+            r["request"]["kind"] = json!({ "group": group, "version": "v1", "kind": kind });
+            r["request"]["object"]["kind"] = kind.into();
+            r["request"]["object"]["spec"] = spec;
+        });
+        let (response, object) = review(body).await;
+        match sa {
+            Some(sa) => {
+                assert_eq!(
+                    object["metadata"]["annotations"][SPIFFE_ID_ANNOTATION],
+                    format!("spiffe://example.org/ns/payments/sa/{sa}"),
+                    "{kind}"
+                );
+                assert_eq!(
+                    object["metadata"]["finalizers"],
+                    json!([FINALIZER]),
+                    "{kind}"
+                );
+            }
+            None => assert!(response.get("patch").is_none(), "{kind}: {response}"),
+        }
+    }
+}
+
 #[tokio::test]
 async fn out_of_scope_and_other_kinds_pass_unchanged() {
     for body in [
