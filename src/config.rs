@@ -69,6 +69,15 @@ pub struct RunArgs {
     #[arg(long, env = "REGISTRAR_BARE_PODS", default_value_t = false, action = clap::ArgAction::Set)]
     pub bare_pods: bool,
 
+    /// A CRD's kind registered like the built-in ones (repeatable, or comma-separated):
+    /// `<group>/<version>/<Kind>/<plural>[:<template path>]`, the path to its Pod template
+    /// defaulting to `spec.template` (Argo Rollouts: `argoproj.io/v1alpha1/Rollout/rollouts`).
+    /// Watched in JSON; needs get/list/watch/patch on the resource, get/list/watch on its CRD
+    /// (a removal is seen), and a webhook rule (the chart's `customKinds` adds all three).
+    /// While the CRD is not installed, the kind is registered as having no workloads.
+    #[arg(long = "custom-kind", env = "REGISTRAR_CUSTOM_KINDS", value_delimiter = ',', value_parser = parse_custom_kind)]
+    pub custom_kinds: Vec<WorkloadKind>,
+
     /// HTTPS address of the admission webhook.
     #[arg(long, env = "REGISTRAR_WEBHOOK_ADDR", default_value = "0.0.0.0:8443")]
     pub webhook_addr: SocketAddr,
@@ -291,6 +300,11 @@ pub fn parse_kind(text: &str) -> Result<WorkloadKind, String> {
         })
 }
 
+/// A `--custom-kind`, registered for the process's life (see `keys::custom`).
+pub fn parse_custom_kind(text: &str) -> Result<WorkloadKind, String> {
+    WorkloadKind::register_custom(text).map_err(|error| error.to_string())
+}
+
 /// A flag's duration, in the same grammar as the CRD's TTL (`policy::duration`): 90s, 15m,
 /// 2160h, 1h30m.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -329,7 +343,7 @@ pub struct Settings {
     pub decide: DecideSettings,
     pub opt_in: OptIn,
     /// Registered kinds, each once, in `WorkloadKind::ALL`'s order, then `Pod` with
-    /// `--bare-pods`.
+    /// `--bare-pods`, then the custom kinds.
     pub workload_kinds: Vec<WorkloadKind>,
     pub webhook_addr: SocketAddr,
     pub admin_addr: SocketAddr,
@@ -357,8 +371,29 @@ impl Settings {
 }
 
 impl RunArgs {
+    /// Every kind registered, each once: `--workload-kinds` in `WorkloadKind::ALL`'s order,
+    /// `Pod` with `--bare-pods`, then the custom kinds.
+    fn registered_kinds(&self) -> Result<Vec<WorkloadKind>, ConfigError> {
+        let mut kinds = self.workload_kinds.clone();
+        kinds.sort();
+        kinds.dedup();
+        if kinds.is_empty() {
+            return Err(ConfigError::NoWorkloadKinds);
+        }
+        if self.bare_pods {
+            kinds.push(WorkloadKind::Pod);
+        }
+        for kind in &self.custom_kinds {
+            if !kinds.contains(kind) {
+                kinds.push(*kind);
+            }
+        }
+        Ok(kinds)
+    }
+
     pub fn validate(self) -> Result<Settings, ConfigError> {
         self.cluster.check()?;
+        let workload_kinds = self.registered_kinds()?;
         if !(0.0..=1.0).contains(&self.deletion_brake_fraction) {
             return Err(ConfigError::BrakeFraction(self.deletion_brake_fraction));
         }
@@ -383,15 +418,6 @@ impl RunArgs {
                 serving_lifetime: self.serving_cert_validity,
             }),
         };
-        let mut workload_kinds = self.workload_kinds.clone();
-        workload_kinds.sort();
-        workload_kinds.dedup();
-        if workload_kinds.is_empty() {
-            return Err(ConfigError::NoWorkloadKinds);
-        }
-        if self.bare_pods {
-            workload_kinds.push(WorkloadKind::Pod);
-        }
         let spire = self.spire.endpoint()?;
         if !(1..=1000).contains(&self.spire_batch_size) {
             return Err(ConfigError::BatchSize(self.spire_batch_size));

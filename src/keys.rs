@@ -5,6 +5,9 @@
 use crate::spire::{Entry, Selector};
 use std::sync::Arc;
 
+pub mod custom;
+pub use custom::{CustomKind, CustomKindError, CustomKindId};
+
 /// A workload: its kind and `namespace/name` (a StatefulSet and a Deployment may share a
 /// name). Shared strings: keys are cloned into every per-sync map and into
 /// `decide::Memory`, and at 50,000 workloads a copy each time would be most of a sync's
@@ -69,9 +72,10 @@ impl SaKey {
     }
 }
 
-/// The built-in kinds of workload: objects with a Pod template whose Pods run as one service
-/// account, and bare Pods (no controller owns them, `--bare-pods`). Every kind shares one
-/// index and one ref-count per (namespace, service account).
+/// The kinds of workload: objects with a Pod template whose Pods run as one service account,
+/// bare Pods (no controller owns them, `--bare-pods`) and kinds an operator configures
+/// (`--custom-kind`). Every kind shares one index and one ref-count per (namespace, service
+/// account).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum WorkloadKind {
     Deployment,
@@ -82,6 +86,8 @@ pub enum WorkloadKind {
     /// A Pod no controller owns. Registered without a finalizer (a Pod's deletion is never
     /// held) and not stamped by the webhook: the controller writes its annotations.
     Pod,
+    /// A CRD's kind with a Pod template, configured at start-up (`custom`).
+    Custom(CustomKindId),
 }
 
 impl WorkloadKind {
@@ -103,6 +109,7 @@ impl WorkloadKind {
             WorkloadKind::Job => "Job",
             WorkloadKind::CronJob => "CronJob",
             WorkloadKind::Pod => "Pod",
+            WorkloadKind::Custom(id) => custom::get(id).kind,
         }
     }
 
@@ -115,6 +122,7 @@ impl WorkloadKind {
             WorkloadKind::Job => "JobList",
             WorkloadKind::CronJob => "CronJobList",
             WorkloadKind::Pod => "PodList",
+            WorkloadKind::Custom(id) => custom::get(id).list_kind,
         }
     }
 
@@ -126,6 +134,7 @@ impl WorkloadKind {
             }
             WorkloadKind::Job | WorkloadKind::CronJob => "batch/v1",
             WorkloadKind::Pod => "v1",
+            WorkloadKind::Custom(id) => custom::get(id).api_version,
         }
     }
 
@@ -138,6 +147,7 @@ impl WorkloadKind {
             WorkloadKind::Job => "jobs",
             WorkloadKind::CronJob => "cronjobs",
             WorkloadKind::Pod => "pods",
+            WorkloadKind::Custom(id) => custom::get(id).plural,
         }
     }
 
@@ -176,16 +186,57 @@ impl WorkloadKind {
         kube::api::ApiResource::from_gvk_with_plural(&gvk, self.plural())
     }
 
-    /// The kind an admission request or a flag names, by group, version and kind.
+    /// A kind configured with `--custom-kind` (a CRD's).
+    pub fn is_custom(self) -> bool {
+        matches!(self, WorkloadKind::Custom(_))
+    }
+
+    /// What was configured for a custom kind.
+    pub fn custom(self) -> Option<&'static CustomKind> {
+        match self {
+            WorkloadKind::Custom(id) => Some(custom::get(id)),
+            _ => None,
+        }
+    }
+
+    /// Parses and registers one `--custom-kind` value (see `custom::parse`).
+    pub fn register_custom(text: &str) -> Result<WorkloadKind, CustomKindError> {
+        let kind = custom::parse(text)?;
+        if Self::parse_builtin(kind.kind).is_some() {
+            return Err(CustomKindError::Invalid {
+                text: text.trim().to_owned(),
+                what: "the kind is a built-in kind's name",
+            });
+        }
+        custom::register(kind, text).map(WorkloadKind::Custom)
+    }
+
+    /// Every kind configured with `--custom-kind`.
+    pub fn customs() -> impl Iterator<Item = WorkloadKind> {
+        custom::all().into_iter().map(WorkloadKind::Custom)
+    }
+
+    /// The kind an admission request names, by group, version and kind (a built-in kind
+    /// with a Pod template, or a configured one).
     pub fn from_gvk(group: &str, version: &str, kind: &str) -> Option<WorkloadKind> {
         Self::ALL
             .into_iter()
+            .chain(Self::customs())
             .find(|k| k.group() == group && k.version() == version && k.name() == kind)
     }
 
-    /// The kind a flag or a policy names (`Deployment`, `statefulset`, `jobs`, `Pod`: kind
-    /// or plural, any case).
+    /// The kind a flag or a policy names (`Deployment`, `statefulset`, `jobs`, `Pod`,
+    /// `Rollout`: kind or plural, any case), built in or configured.
     pub fn parse(name: &str) -> Option<WorkloadKind> {
+        Self::parse_builtin(name).or_else(|| {
+            Self::customs().find(|k| {
+                k.name().eq_ignore_ascii_case(name) || k.plural().eq_ignore_ascii_case(name)
+            })
+        })
+    }
+
+    /// `parse` among the built-in kinds only.
+    pub fn parse_builtin(name: &str) -> Option<WorkloadKind> {
         Self::ALL
             .into_iter()
             .chain([WorkloadKind::Pod])
@@ -246,5 +297,64 @@ mod tests {
         };
         assert_eq!(key(WorkloadKind::Deployment).to_string(), "shop/web");
         assert_eq!(key(WorkloadKind::CronJob).to_string(), "CronJob shop/web");
+    }
+
+    #[test]
+    fn a_custom_kind_is_registered_once_and_answers_like_a_built_in_one() {
+        let rollout =
+            WorkloadKind::register_custom("argoproj.io/v1alpha1/Rollout/rollouts").expect("valid");
+        assert_eq!(
+            WorkloadKind::register_custom(" argoproj.io/v1alpha1/Rollout/rollouts:spec.template"),
+            Ok(rollout),
+            "the same kind, the default path"
+        );
+        assert_eq!(rollout.name(), "Rollout");
+        assert_eq!(rollout.api_version(), "argoproj.io/v1alpha1");
+        assert_eq!(
+            (rollout.group(), rollout.version()),
+            ("argoproj.io", "v1alpha1")
+        );
+        assert_eq!(rollout.plural(), "rollouts");
+        assert_eq!(rollout.list_name(), "RolloutList");
+        assert_eq!(rollout.api_path(), "/apis/argoproj.io/v1alpha1/rollouts");
+        assert!(rollout.takes_finalizer() && rollout.is_custom());
+        assert_eq!(
+            WorkloadKind::from_gvk("argoproj.io", "v1alpha1", "Rollout"),
+            Some(rollout)
+        );
+        assert_eq!(WorkloadKind::parse("rollouts"), Some(rollout));
+        assert_eq!(WorkloadKind::parse("Rollout"), Some(rollout));
+        let custom = rollout.custom().expect("custom");
+        assert_eq!(custom.crd_name(), "rollouts.argoproj.io");
+        assert_eq!(custom.template, ["spec", "template"]);
+        assert!(WorkloadKind::customs().any(|k| k == rollout));
+        let key = WorkloadKey {
+            kind: rollout,
+            namespace: "shop".into(),
+            name: "web".into(),
+        };
+        assert_eq!(key.to_string(), "Rollout shop/web");
+        assert_eq!(std::mem::size_of::<WorkloadKind>(), 2, "a key stays small");
+    }
+
+    #[test]
+    fn malformed_custom_kinds_are_refused_with_what_to_fix() {
+        for (text, says) in [
+            ("argoproj.io/Rollout/rollouts", "expected <group>"),
+            ("argoproj/v1/Rollout/rollouts", "API group"),
+            ("apps/v1/Thing/things", "API group"),
+            ("x.io/V1/Thing/things", "version"),
+            ("x.io/v1/thing/things", "CamelCase"),
+            ("x.io/v1/Thing/Things", "plural"),
+            ("x.io/v1/Thing/things:spec..template", "template path"),
+            ("x.io/v1/Thing/things:spec.tem-plate", "template path"),
+            ("x.io/v1/Deployment/deployments", "built-in"),
+        ] {
+            let error = WorkloadKind::register_custom(text)
+                .expect_err(text)
+                .to_string();
+            assert!(error.contains(says), "{text}: {error}");
+            assert!(error.contains("--custom-kind"), "{error}");
+        }
     }
 }

@@ -35,6 +35,10 @@ pub struct UninstallArgs {
     #[arg(long, default_value_t = false)]
     pub delete_entries: bool,
 
+    /// Kinds configured with --custom-kind, cleaned too (a kind whose CRD is gone is skipped).
+    #[arg(long = "custom-kind", env = "REGISTRAR_CUSTOM_KINDS", value_delimiter = ',', value_parser = crate::config::parse_custom_kind)]
+    pub custom_kinds: Vec<WorkloadKind>,
+
     /// Its namespace (the Lease is checked there) and the webhook configuration to delete.
     #[command(flatten)]
     pub installation: InstallationArgs,
@@ -113,6 +117,7 @@ impl fmt::Display for Report {
 pub async fn uninstall(args: UninstallArgs) -> Result<Report, UninstallError> {
     let UninstallArgs {
         delete_entries,
+        custom_kinds,
         installation:
             InstallationArgs {
                 namespace,
@@ -133,7 +138,7 @@ pub async fn uninstall(args: UninstallArgs) -> Result<Report, UninstallError> {
             &webhook_configuration,
         )
         .await?,
-        workloads_cleaned: clean_workloads(&client).await?,
+        workloads_cleaned: clean_workloads(&client, &custom_kinds).await?,
         entries_deleted: None,
     };
     if let Some(endpoint) = spire {
@@ -178,12 +183,23 @@ async fn delete_webhook_configuration(client: &Client, name: &str) -> Result<boo
     }
 }
 
-/// Every kind's workloads cleaned, bare Pods' annotations included: how many carried
-/// something of ours.
-async fn clean_workloads(client: &Client) -> Result<usize, UninstallError> {
+/// Every kind's workloads cleaned, bare Pods' annotations and `custom` kinds included: how
+/// many carried something of ours.
+async fn clean_workloads(
+    client: &Client,
+    custom: &[WorkloadKind],
+) -> Result<usize, UninstallError> {
     let mut cleaned = 0;
     for kind in WorkloadKind::ALL.into_iter().chain([WorkloadKind::Pod]) {
         cleaned += clean_kind(client, kind).await?;
+    }
+    for &kind in custom {
+        match clean_kind(client, kind).await {
+            Ok(count) => cleaned += count,
+            // Its CRD is not installed: nothing of that kind carries anything.
+            Err(UninstallError::Kube(kube::Error::Api(status))) if status.code == 404 => {}
+            Err(error) => return Err(error),
+        }
     }
     Ok(cleaned)
 }

@@ -203,6 +203,7 @@ const SET_BY_THE_CHART: &[&str] = &[
     "workload-api",  // spire.workloadApi (agent layout)
     "spire-socket",  // spire.socket (sidecar layout)
     "log-json",      // logJson
+    "custom-kind",   // customKinds (with the RBAC and webhook rules each needs)
     "namespace",     // POD_NAMESPACE from the downward API
     "replica-id",    // HOSTNAME from the downward API
     "webhook-addr",  // the container's webhook port
@@ -231,6 +232,77 @@ fn bare_pods_bring_their_flag_and_their_grant_only_when_asked() {
     let on = objects(&template("identity", &["config.barePods=true"]));
     assert!(pods_rule(&on), "the grant on pods");
     assert!(args(&on).contains("--bare-pods=true"), "{}", args(&on));
+}
+
+/// Two custom kinds, one with its Pod template at a path of its own.
+const CUSTOM_KINDS: [&str; 9] = [
+    "customKinds[0].group=argoproj.io",
+    "customKinds[0].version=v1alpha1",
+    "customKinds[0].kind=Rollout",
+    "customKinds[0].plural=rollouts",
+    "customKinds[1].group=e2e.example.test",
+    "customKinds[1].version=v1",
+    "customKinds[1].kind=Widget",
+    "customKinds[1].plural=widgets",
+    "customKinds[1].podTemplatePath=spec.workload.podTemplate",
+];
+
+/// Each custom kind brings its flag, its grants (on the resource, and on its CRD by name) and
+/// a webhook rule whose matchConditions compare the service account at its template path.
+#[test]
+fn custom_kinds_bring_their_flags_grants_and_webhook_rules() {
+    let rendered = objects(&template("identity", &CUSTOM_KINDS));
+    let args =
+        rendered["Deployment/identity/spiffe-registrar"]["spec"]["template"]["spec"]["containers"]
+            [0]["args"]
+            .to_string();
+    assert!(
+        args.contains("--custom-kind=argoproj.io/v1alpha1/Rollout/rollouts:spec.template"),
+        "{args}"
+    );
+    assert!(
+        args.contains("--custom-kind=e2e.example.test/v1/Widget/widgets:spec.workload.podTemplate"),
+        "{args}"
+    );
+    let rules = rendered["ClusterRole//spiffe-registrar"]["rules"].clone();
+    let rules = rules.as_array().expect("rules");
+    for (group, plural) in [("argoproj.io", "rollouts"), ("e2e.example.test", "widgets")] {
+        assert!(
+            rules.iter().any(|r| r["apiGroups"] == json!([group])
+                && r["resources"] == json!([plural])
+                && r["verbs"] == json!(["get", "list", "watch", "patch"])),
+            "{group}/{plural}: {rules:?}"
+        );
+    }
+    assert!(
+        rules.iter().any(|r| r["resourceNames"]
+            == json!(["rollouts.argoproj.io", "widgets.e2e.example.test"])
+            && r["verbs"] == json!(["get", "list", "watch"])),
+        "the CRDs, by name: {rules:?}"
+    );
+    let webhook = &rendered["MutatingWebhookConfiguration//spiffe-registrar"]["webhooks"][0];
+    assert!(
+        webhook["rules"]
+            .as_array()
+            .expect("rules")
+            .iter()
+            .any(|r| r["apiGroups"] == json!(["e2e.example.test"])
+                && r["resources"] == json!(["widgets"])),
+        "{webhook}"
+    );
+    let condition = webhook["matchConditions"][1]["expression"]
+        .as_str()
+        .expect("expression");
+    assert!(
+        condition.contains("object.?spec.?workload.?podTemplate.?spec.?serviceAccountName"),
+        "{condition}"
+    );
+    let without = objects(&template("identity", &[]));
+    let without = without["ClusterRole//spiffe-registrar"]["rules"].to_string();
+    assert!(
+        !without.contains("argoproj.io"),
+        "nothing unless configured"
+    );
 }
 
 #[test]
@@ -303,11 +375,10 @@ fn the_rendered_chart_is_accepted_by_a_real_apiserver() {
         assert!(ok, "kubectl {args:?} failed:\n{stdout}\n{stderr}");
         stdout
     };
-    apply(
-        &plane,
-        &template("spiffe-registrar", &["createNamespace=true"]),
-        &[],
-    );
+    // With custom kinds: their webhook rules and matchConditions must compile too.
+    let mut sets = vec!["createNamespace=true"];
+    sets.extend(CUSTOM_KINDS);
+    apply(&plane, &template("spiffe-registrar", &sets), &[]);
     kubectl_ok(
         &plane,
         &[

@@ -200,11 +200,18 @@ async fn objects_being_deleted_are_never_stamped() {
 }
 
 /// Every kind with a Pod template is stamped with the identity of the account its Pods run
-/// as: a CronJob's is under `spec.jobTemplate.spec.template`. A Pod (bare Pods are the
-/// controller's) and a kind of another group are left alone.
+/// as: a CronJob's is under `spec.jobTemplate.spec.template`, a configured kind's where its
+/// configuration says. A Pod (bare Pods are the controller's) and a kind of another group or
+/// not configured are left alone.
 #[tokio::test]
 async fn every_workload_kind_is_stamped_from_its_pod_template() {
     let template = |sa: &str| json!({ "metadata": { "labels": { "app": "web" } }, "spec": { "serviceAccountName": sa, "containers": [] } });
+    spiffe_registrar::keys::WorkloadKind::register_custom(
+        "example.test/v1/Widget/widgets:spec.workload.podTemplate",
+    )
+    .expect("valid");
+    let custom =
+        json!({ "template": template("decoy"), "workload": { "podTemplate": template("runner") } });
     let cases = [
         (
             "apps",
@@ -242,6 +249,9 @@ async fn every_workload_kind_is_stamped_from_its_pod_template() {
             json!({ "template": template("old") }),
             None,
         ),
+        // Configured (`--custom-kind`): its template at its own path, not at the decoy.
+        ("example.test", "Widget", custom.clone(), Some("runner")),
+        ("example.test", "Gizmo", custom, None),
     ];
     for (group, kind, spec, sa) in cases {
         let body = fixture(|r| {

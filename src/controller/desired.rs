@@ -16,6 +16,8 @@ use crate::policy::render::validate;
 use crate::policy::select::validate_selectors;
 use crate::policy::{OptIn, Resolution, SpiffeRegistration, resolve};
 use crate::spire::{Entry, Ownership};
+pub use grouping::Workload;
+use grouping::{fading_only, group};
 use kube::ResourceExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -48,22 +50,6 @@ pub struct ServiceAccount {
     pub losers: Vec<String>,
     /// DNS name templates left out of its entry, and why (`None`: every one rendered).
     pub dns_omitted: Option<Arc<str>>,
-}
-
-/// One Deployment as the decisions see it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Workload {
-    pub service_account: SaKey,
-    /// Has a deletionTimestamp, or its namespace has.
-    pub deleting: bool,
-    /// Its namespace is being deleted: no Event can be written there any more.
-    pub namespace_terminating: bool,
-    pub has_finalizer: bool,
-    /// Our annotations as currently written (to know what to patch, never as truth). Shared
-    /// with the cached record: a sync copies no string per Deployment.
-    pub spiffe_id: Option<Arc<str>>,
-    pub entry_id: Option<Arc<str>>,
-    pub created: Option<k8s_openapi::jiff::Timestamp>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -205,6 +191,24 @@ pub fn compute_for(
     let grouped = group(deployments, namespaces);
     desired.workloads = grouped.workloads.into_iter().collect();
     let mut service_accounts = Vec::with_capacity(grouped.live.len());
+    // Accounts only workloads going away with their kind's CRD run as: out of scope, so that
+    // their entries have the scope-loss grace (and the deletion brake), and the workloads keep
+    // our finalizer (as live ones out of scope do) until that is settled.
+    for (sa, keys) in fading_only(grouped.fading, &grouped.live) {
+        for key in &keys {
+            if let Some(workload) = desired.workloads.get_mut(key) {
+                workload.deleting = false;
+                workload.going_with_its_kind = true;
+            }
+        }
+        let account = ServiceAccount {
+            state: SaState::OutOfScope,
+            deployments: keys,
+            losers: Vec::new(),
+            dns_omitted: None,
+        };
+        service_accounts.push((sa, account));
+    }
     for (sa, members) in grouped.live {
         let labels = grouped
             .namespaces
@@ -244,65 +248,6 @@ fn note_policy_problems(desired: &mut Desired, policies: &[Arc<SpiffeRegistratio
                 .invalid_policies
                 .insert(policy.name_any(), (reason, message));
         }
-    }
-}
-
-/// Deployments grouped for the decisions.
-struct Grouped<'d> {
-    /// Every Deployment, in cache order.
-    workloads: Vec<(WorkloadKey, Workload)>,
-    /// The live ones, by the service account they run as.
-    live: BTreeMap<SaKey, Vec<(WorkloadKey, &'d WorkloadRecord)>>,
-    /// What each namespace seen is (looked up once each).
-    namespaces: BTreeMap<Arc<str>, Option<NamespaceInfo>>,
-}
-
-fn group<'d>(
-    deployments: &'d [Arc<WorkloadRecord>],
-    namespaces: &dyn Fn(&str) -> Option<NamespaceInfo>,
-) -> Grouped<'d> {
-    let mut live: BTreeMap<SaKey, Vec<(WorkloadKey, &WorkloadRecord)>> = BTreeMap::new();
-    let mut namespace_cache: BTreeMap<Arc<str>, Option<NamespaceInfo>> = BTreeMap::new();
-    // Collected, then built in one go: a map built from sorted input has full nodes, one
-    // filled by inserts in cache order about two-thirds full (a third more memory per
-    // Deployment for the whole sync).
-    let mut workloads = Vec::with_capacity(deployments.len());
-    for deployment in deployments {
-        let key = deployment.key();
-        let namespace = namespace_cache
-            .entry(key.namespace.clone())
-            .or_insert_with(|| namespaces(&key.namespace));
-        let sa = deployment.service_account_key();
-        let namespace_terminating = namespace.as_ref().is_some_and(|ns| ns.terminating);
-        let deleting = deployment.deleting || namespace_terminating;
-        if !deleting {
-            live.entry(sa.clone())
-                .or_default()
-                .push((key.clone(), deployment.as_ref()));
-        }
-        workloads.push((
-            key,
-            Workload {
-                service_account: sa,
-                deleting,
-                namespace_terminating,
-                has_finalizer: deployment.has_finalizer(),
-                spiffe_id: deployment
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.spiffe_id.clone()),
-                entry_id: deployment
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.entry_id.clone()),
-                created: deployment.created,
-            },
-        ));
-    }
-    Grouped {
-        workloads,
-        live,
-        namespaces: namespace_cache,
     }
 }
 
@@ -390,5 +335,6 @@ fn refuse_shared_ids(desired: &mut Desired) {
     }
 }
 
+mod grouping;
 #[cfg(test)]
 mod tests;

@@ -237,7 +237,8 @@ impl Basis {
             .get(key)
             .map(|workload| Basis {
                 service_account: Some(workload.service_account.service_account.clone()),
-                deleting: workload.deleting,
+                // Decided knowing it is being deleted (with its kind, as a loss of scope).
+                deleting: workload.deleting || workload.going_with_its_kind,
             })
             .unwrap_or_default()
     }

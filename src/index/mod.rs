@@ -1,13 +1,14 @@
 //! In-memory caches of the cluster state we decide from: opted-in Namespaces and
 //! SpiffeRegistrations (kube-runtime reflectors), and workloads of every registered kind as
 //! compact records (our own store, see `workload`, fed by our own protobuf list and watch per
-//! kind, see `workload_watch`).
+//! kind, see `workload_watch`; JSON for a configured CRD's kind, see `custom_watch`).
 //! Every change a decision reads pokes `trigger` (a `Notify`: coalescing, never dropped), the
 //! controller's cue to re-derive desired state. The webhook reads the same caches; nothing
 //! here does I/O on a request path.
 
 mod batches;
 pub mod changes;
+mod custom_watch;
 pub mod store;
 pub mod token;
 pub mod wire;
@@ -22,7 +23,7 @@ use crate::keys::WorkloadKind;
 use crate::policy::{Labels, OptIn, SpiffeRegistration};
 use crate::spire::Ownership;
 use crate::telemetry::ReadyHandle;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -195,9 +196,14 @@ pub fn start(
     let (workloads, writers) = store::store_telling(kinds, changes.clone());
     for writer in writers {
         let kind = writer.kind();
-        let stream = workload_watch::workloads(client.clone(), kind, WORKLOAD_LIST_PAGE);
         let span = tracing::info_span!("watch", %kind);
-        let drain = batches::drain_workloads(stream, writer, trigger.clone());
+        let drain = if kind.is_custom() {
+            let stream = custom_watch::workloads(client.clone(), kind, WORKLOAD_LIST_PAGE);
+            batches::drain_workloads(stream, writer, trigger.clone()).boxed()
+        } else {
+            let stream = workload_watch::workloads(client.clone(), kind, WORKLOAD_LIST_PAGE);
+            batches::drain_workloads(stream, writer, trigger.clone()).boxed()
+        };
         tasks.push((
             format!("{} watch", kind.name()),
             tokio::spawn(drain.instrument(span)),

@@ -149,8 +149,9 @@ fn template_path(workload: WorkloadKind) -> &'static [u32] {
         WorkloadKind::Job => &[6],
         // CronJobSpec.jobTemplate → JobTemplateSpec.spec → JobSpec.template
         WorkloadKind::CronJob => &[5, 2, 6],
-        // A Pod's spec is the Pod spec itself (see `into_watched`).
-        WorkloadKind::Pod => &[],
+        // A Pod's spec is the Pod spec itself (see `into_watched`). A custom kind is a CRD's,
+        // which serves no protobuf (see `custom_watch`): never decoded here.
+        WorkloadKind::Pod | WorkloadKind::Custom(_) => &[],
     }
 }
 

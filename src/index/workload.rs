@@ -45,6 +45,10 @@ pub struct WorkloadRecord {
     pub created: Option<Timestamp>,
     /// Has a deletionTimestamp.
     pub deleting: bool,
+    /// Its kind's CRD is being deleted (custom kinds): a deletion then is the kind going
+    /// away, which `desired` treats as a loss of scope (graces, deletion brake), not as a
+    /// release.
+    pub kind_removing: bool,
     /// The pod template's service account, `default` when unset (as the kubelet runs it).
     pub service_account: Arc<str>,
     pub labels: Labels,
@@ -80,6 +84,7 @@ impl WorkloadRecord {
             resource_version: Token::from(meta.resource_version.as_deref().unwrap_or_default()),
             created: meta.creation_timestamp.as_ref().map(|t| t.0),
             deleting: meta.deletion_timestamp.is_some(),
+            kind_removing: false,
             service_account: service_account.into(),
             labels: meta.labels.as_ref().map(Labels::from).unwrap_or_default(),
             finalizers: meta
@@ -137,6 +142,7 @@ impl WorkloadRecord {
             resource_version: _,
             created,
             deleting,
+            kind_removing,
             service_account,
             labels,
             finalizers,
@@ -148,6 +154,7 @@ impl WorkloadRecord {
             || *uid != other.uid
             || *created != other.created
             || *deleting != other.deleting
+            || *kind_removing != other.kind_removing
             || *service_account != other.service_account
             || *labels != other.labels
             || *finalizers != other.finalizers
@@ -195,6 +202,9 @@ pub struct WatchedWorkload {
     pub metadata: ObjectMeta,
     #[serde(default)]
     spec: Option<WatchedSpec>,
+    /// Set by a custom kind's watch while the kind's CRD is being deleted.
+    #[serde(skip)]
+    pub kind_removing: bool,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -246,11 +256,43 @@ impl WatchedWorkload {
                 }),
                 job_template: None,
             }),
+            kind_removing: false,
         }
     }
 
-    /// The record of this object as a `kind` (the watch it came from, or the admission
-    /// request's kind).
+    /// From a whole object of a custom kind (decoded as JSON by kube's dynamic API): its
+    /// metadata trimmed as the lean decoder trims it, the service account read at the kind's
+    /// template path.
+    pub fn from_dynamic(object: kube::api::DynamicObject, template: &[&str]) -> Self {
+        let (service_account_name, service_account) =
+            crate::keys::custom::template_service_account(&object.data, template);
+        let meta = object.metadata;
+        let controlled = meta
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|owner| owner.controller == Some(true));
+        let annotations = meta.annotations.map(|all| {
+            all.into_iter()
+                .filter(|(key, _)| key.starts_with(OUR_ANNOTATION_PREFIX))
+                .collect()
+        });
+        let metadata = ObjectMeta {
+            name: meta.name,
+            namespace: meta.namespace,
+            uid: meta.uid,
+            resource_version: meta.resource_version,
+            creation_timestamp: meta.creation_timestamp,
+            deletion_timestamp: meta.deletion_timestamp,
+            labels: meta.labels,
+            annotations,
+            finalizers: meta.finalizers,
+            owner_references: controlled.then(controller_reference),
+            ..ObjectMeta::default()
+        };
+        Self::from_parts(metadata, service_account_name, service_account)
+    }
+
     /// Whether a controller owns it (a Pod of a ReplicaSet, a Job of a CronJob): a Pod that
     /// is not bare.
     pub fn controlled(&self) -> bool {
@@ -261,6 +303,8 @@ impl WatchedWorkload {
             .any(|reference| reference.controller == Some(true))
     }
 
+    /// The record of this object as a `kind` (the watch it came from, or the admission
+    /// request's kind).
     pub fn record(&self, kind: WorkloadKind) -> WorkloadRecord {
         let spec = self.spec.as_ref();
         let template = spec.and_then(|s| s.template.as_ref()).or_else(|| {
@@ -268,12 +312,14 @@ impl WatchedWorkload {
             job.template.as_ref()
         });
         let pod = template.and_then(|t| t.spec.as_ref());
-        WorkloadRecord::from_parts(
+        let mut record = WorkloadRecord::from_parts(
             kind,
             &self.metadata,
             pod.and_then(|p| p.service_account_name.as_deref()),
             pod.and_then(|p| p.service_account.as_deref()),
-        )
+        );
+        record.kind_removing = self.kind_removing;
+        record
     }
 }
 

@@ -41,6 +41,9 @@ pub enum WatchError {
     Api(#[source] ApiStatus),
     #[error("undecodable protobuf: {0}")]
     Decode(#[from] WireError),
+    /// A custom kind's JSON watch (kube's watcher).
+    #[error("{0}")]
+    Json(#[source] kube::runtime::watcher::Error),
 }
 
 pub type WorkloadEvent = Result<Event<WatchedWorkload>, WatchError>;

@@ -97,11 +97,12 @@ pub struct SpiffeRegistrationSpec {
     pub deployment_selector: Option<PolicySelector>,
 
     /// The kinds of workload this policy applies to, among Deployment, StatefulSet,
-    /// DaemonSet, Job, CronJob and Pod (bare Pods, with `--bare-pods`). Unset or empty: every
-    /// kind the registrar registers.
+    /// DaemonSet, Job, CronJob, Pod (bare Pods, with `--bare-pods`) and the kinds configured
+    /// with `--custom-kind` (by their kind, e.g. Rollout). Unset or empty: every kind the
+    /// registrar registers.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[x_kube(validation = Rule::new("self.all(k, k in ['Deployment', 'StatefulSet', 'DaemonSet', 'Job', 'CronJob', 'Pod'])").message("kinds: each one of Deployment, StatefulSet, DaemonSet, Job, CronJob, Pod"))]
-    #[schemars(length(max = 6), inner(length(max = 32)))]
+    #[x_kube(validation = Rule::new("self.all(k, k.matches('^[A-Z][A-Za-z0-9]*$'))").message("kinds: each a kind's name, such as Deployment, StatefulSet, DaemonSet, Job, CronJob, Pod or a configured custom kind"))]
+    #[schemars(length(max = 16), inner(length(max = 63)))]
     pub kinds: Vec<String>,
 
     /// When several policies match workloads of one service account, the highest priority

@@ -127,7 +127,7 @@ pub fn validate_selectors(policy: &SpiffeRegistration) -> Result<(), SelectorErr
         return Err(SelectorError {
             field: "kinds",
             message: format!(
-                "unknown kind {unknown:?} (Deployment, StatefulSet, DaemonSet, Job, CronJob, Pod)"
+                "unknown kind {unknown:?} (Deployment, StatefulSet, DaemonSet, Job, CronJob, Pod, or a kind configured with --custom-kind)"
             ),
         });
     }

@@ -2,7 +2,7 @@
 //! registrar from a cold start. Prints one JSON object on stdout; progress goes to stderr.
 //!
 //!   cargo run --release --example scale -- --deployments 10000 [--rest-seconds 300]
-//!       [--datastore sqlite|sqlite-analyzed|postgres] [--kinds deployments|mixed]
+//!       [--datastore sqlite|sqlite-analyzed|postgres] [--kinds deployments|mixed|statefulsets|daemonsets|jobs|cronjobs]
 //!
 //! `--kinds mixed` makes workload i a Deployment, StatefulSet, DaemonSet, Job or CronJob in
 //! turn (i mod 5), so the two workloads of each service account are of different kinds.
@@ -32,10 +32,14 @@ async fn main() {
     let kinds: &'static [WorkloadKind] = match flag("--kinds").as_deref() {
         None | Some("deployments") => &[WorkloadKind::Deployment],
         Some("mixed") => &WorkloadKind::ALL,
-        Some(other) => {
-            eprintln!("--kinds {other}: deployments or mixed");
-            std::process::exit(2);
-        }
+        // One kind alone (its memory per workload): statefulsets, daemonsets, jobs, cronjobs.
+        Some(other) => match WorkloadKind::parse_builtin(other) {
+            Some(kind) if WorkloadKind::ALL.contains(&kind) => Vec::leak(vec![kind]),
+            _ => {
+                eprintln!("--kinds {other}: deployments, mixed or one kind (e.g. statefulsets)");
+                std::process::exit(2);
+            }
+        },
     };
     let report = common::scale::run(common::scale::Config {
         deployments,

@@ -281,7 +281,7 @@ pub fn workload_of_kind(
     sockets: &std::path::Path,
 ) -> String {
     use spiffe_registrar::keys::WorkloadKind::{
-        CronJob, DaemonSet, Deployment, Job, Pod, StatefulSet,
+        CronJob, Custom, DaemonSet, Deployment, Job, Pod, StatefulSet,
     };
     if kind == Pod {
         return bare_pod(namespace, name, service_account, reports, sockets);
@@ -307,6 +307,7 @@ pub fn workload_of_kind(
             indent(&template, 6)
         ),
         Pod => unreachable!("returned above"),
+        Custom(_) => unreachable!("custom kinds run no Pods on the node"),
     };
     let spec = if kind == Deployment {
         spec.replace(&format!("serviceName: {name}\n"), "")

@@ -142,6 +142,7 @@ fn realistic(kind: WorkloadKind, name: &str, service_account: &str) -> DynamicOb
             json!({ "schedule": "0 0 1 1 *", "jobTemplate": { "spec": { "template": template } } })
         }
         WorkloadKind::Pod => template["spec"].clone(),
+        WorkloadKind::Custom(_) => unreachable!("the benchmark makes built-in kinds"),
     };
     let mut object = json!({
         "apiVersion": kind.api_version(),

@@ -83,6 +83,53 @@ fn workloads_of_every_kind_share_their_service_account_s_entry() {
     assert!(desired.needs(&sa("a", "api")).is_some());
 }
 
+/// A workload deleted because its kind's CRD is being removed is a loss of scope when
+/// nothing else runs as its account (kept, so that its entry has the grace and it keeps the
+/// finalizer), and an ordinary release when something does.
+#[test]
+fn a_kind_going_away_with_its_crd_is_a_loss_of_scope_not_a_release() {
+    let o = Ownership::new("c").expect("valid");
+    let gadget =
+        WorkloadKind::register_custom("e2e.example.test/v1/Gadget/gadgets").expect("valid");
+    let fading = |name: &str, account: &str| {
+        let mut d = mk_deployment("a", name, Some(account), &[]);
+        d.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+        ));
+        let mut record = WorkloadRecord::clone(&as_kind(gadget, d));
+        record.kind_removing = true;
+        Arc::new(record)
+    };
+    let workloads = vec![
+        fading("alone", "lonely"),
+        fading("beside", "api"),
+        recorded(mk_deployment("a", "web", Some("api"), &[])),
+    ];
+    let policies = vec![Arc::new(mk_policy("p", 1, |_| {}))];
+    let desired = compute(&o, &OptIn::default(), &workloads, &enabled, &policies);
+    let lonely = &desired.service_accounts[&sa("a", "lonely")];
+    assert_eq!(lonely.state, SaState::OutOfScope);
+    assert_eq!(lonely.deployments.len(), 1);
+    let key = |name: &str| WorkloadKey {
+        kind: gadget,
+        namespace: "a".into(),
+        name: name.into(),
+    };
+    let alone = &desired.workloads[&key("alone")];
+    assert!(
+        !alone.deleting && alone.going_with_its_kind,
+        "held like a live workload out of scope"
+    );
+    let beside = &desired.workloads[&key("beside")];
+    assert!(
+        beside.deleting && !beside.going_with_its_kind,
+        "released: the Deployment keeps the entry"
+    );
+    let api = &desired.service_accounts[&sa("a", "api")];
+    assert_eq!(api.deployments.len(), 1, "the Deployment alone counts");
+    assert!(desired.needs(&sa("a", "api")).is_some());
+}
+
 #[test]
 fn deleting_deployments_and_terminating_namespaces_drop_out_of_the_refcount() {
     let o = Ownership::new("c").expect("valid");

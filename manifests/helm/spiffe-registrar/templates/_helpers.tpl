@@ -83,6 +83,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- range .Values.customKinds }}
+- --custom-kind={{ include "spiffe-registrar.customKind" . }}
+{{- end }}
 {{- if .Values.logJson }}
 - --log-json
 {{- end }}
@@ -155,4 +158,10 @@ volumeMounts:
   {{- with .Values.extraVolumeMounts }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
+{{- end }}
+
+{{/* One customKinds item as --custom-kind reads it: group/version/Kind/plural:template path. */}}
+{{- define "spiffe-registrar.customKind" -}}
+{{- range list "group" "version" "kind" "plural" }}{{ if not (index $ .) }}{{ fail (printf "customKinds: each item needs group, version, kind and plural (missing %s)" .) }}{{ end }}{{ end -}}
+{{ .group }}/{{ .version }}/{{ .kind }}/{{ .plural }}:{{ .podTemplatePath | default "spec.template" }}
 {{- end }}

@@ -98,6 +98,7 @@ impl World {
                 Workload {
                     service_account: key.clone(),
                     deleting: false,
+                    going_with_its_kind: false,
                     namespace_terminating: false,
                     has_finalizer: true,
                     spiffe_id: None,
@@ -151,6 +152,7 @@ impl World {
             Workload {
                 service_account: sa(&ns, sa_name),
                 deleting: true,
+                going_with_its_kind: false,
                 namespace_terminating: false,
                 has_finalizer: true,
                 spiffe_id: None,
