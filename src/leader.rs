@@ -298,8 +298,9 @@ impl Election {
 
     fn end_term(&mut self, why: &str) {
         if let Some((ended, _)) = self.current.take() {
-            ended.cancel();
+            // Unpublished first: whoever wakes on the cancellation must find no term.
             self.publish.send_replace(None);
+            ended.cancel();
             warn!(why, "leadership ended; writes stop");
         }
     }

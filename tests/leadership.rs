@@ -127,6 +127,16 @@ async fn leader_gauge(registrar: &Registrar, value: f64, within: Duration) {
 }
 
 /// SPIRE's entries for `who` right now.
+/// How many terms `registrar` started and ended, by `leadership_transitions_total`.
+fn assert_transitions(registrar: &Registrar, started: f64, ended: f64) {
+    let count = |to| registrar.metric("leadership_transitions_total", &[("to", to)]);
+    assert_eq!(
+        (count("leader"), count("follower")),
+        (started, ended),
+        "terms started and ended"
+    );
+}
+
 async fn spire_entries(socket: &Path, who: &Sa) -> Vec<spiffe_registrar::spire::Entry> {
     let mut client = spire_client(socket).await;
     entries_of(&mut client, who).await.unwrap_or_default()
@@ -292,6 +302,9 @@ async fn a_leader_that_cannot_use_spire_steps_down_and_the_other_replica_takes_o
     assert_eq!(a.metric("leader", &[]), 0.0);
     assert_eq!(a.metric("spire_reachable", &[]), 0.0);
     assert_eq!(b.metric("leader", &[]), 1.0);
+    // One term, started and ended once each: no loop on the ending term's signal.
+    assert_transitions(&a, 1.0, 1.0);
+    assert_transitions(&b, 1.0, 0.0);
     eprintln!(
         "SPIRE lost: Lease with the healthy replica after {failover:?}, new Deployment registered after {converged:?}"
     );
@@ -441,6 +454,8 @@ async fn a_leader_cut_off_from_the_apiserver_stops_writing_at_its_renew_deadline
         "the cut-off replica never leads again"
     );
     assert_eq!(b.metric("leader", &[]), 1.0);
+    assert_transitions(&a, 1.0, 1.0);
+    assert_transitions(&b, 1.0, 0.0);
     eprintln!("apiserver cut: old leader fenced after {fenced:?}, new leader after {took_over:?}");
     drop(proxy);
 }

@@ -47,8 +47,19 @@ impl<A: EntryApi> Controller<A> {
         let Leadership { mut term, useful } = leadership;
         loop {
             let current = term.borrow_and_update().clone();
+            // A term seen after it ended (its deadline passed before the election noticed)
+            // is not a new one: wait for the election's next word, never loop on it.
+            let (current, lapsed) = match current {
+                Some(current) if current.is_valid() => (Some(current), false),
+                Some(_) => (None, true),
+                None => (None, false),
+            };
             if let Some(current) = current {
                 self.metrics.leader.set(1);
+                self.metrics
+                    .transitions
+                    .with_label_values(&["leader"])
+                    .inc();
                 info!("became leader; syncing");
                 let led = current.guard(self.lead(&current, &trigger, &useful, &shutdown));
                 match led.await {
@@ -58,6 +69,10 @@ impl<A: EntryApi> Controller<A> {
                     Ok(()) => {}
                 }
                 self.metrics.leader.set(0);
+                self.metrics
+                    .transitions
+                    .with_label_values(&["follower"])
+                    .inc();
                 // A later term starts from a fresh list and fresh graces.
                 self.view.invalidate();
                 self.memory = Memory::default();
@@ -75,6 +90,9 @@ impl<A: EntryApi> Controller<A> {
                     shutdown.cancelled().await;
                     return;
                 },
+                // A lapsed term may still be renewed in place (a renewal that lands just
+                // after the deadline): looked at again, at a calm pace.
+                _ = tokio::time::sleep(PROBE_INTERVAL), if lapsed && !stepped_down => {}
                 _ = tokio::time::sleep(PROBE_INTERVAL), if stepped_down => {
                     if self.probe_spire().await {
                         info!("SPIRE is usable again; competing for the Lease");

@@ -37,6 +37,9 @@ pub struct ControllerMetrics {
     pub events_dropped: IntCounter,
     /// `leader`: 1 while this replica holds a valid leadership term.
     pub leader: IntGauge,
+    /// `leadership_transitions_total{to}`: each start (`leader`) and end (`follower`) of a
+    /// term this replica worked in, counted once.
+    pub transitions: IntCounterVec,
     /// `spire_reachable`: 0 once a SPIRE call failed as a whole, 1 again after one succeeds.
     pub spire_reachable: IntGauge,
     /// `last_successful_sync_timestamp_seconds`: Unix time of the last sync that completed
@@ -124,6 +127,14 @@ impl ControllerMetrics {
         )?;
         registry.register(Box::new(events_dropped.clone()))?;
         let leader = IntGauge::new("leader", "1 while this replica leads (holds a valid term)")?;
+        let transitions = IntCounterVec::new(
+            Opts::new(
+                "leadership_transitions_total",
+                "Leadership terms this replica started (to=leader) and ended (to=follower)",
+            ),
+            &["to"],
+        )?;
+        registry.register(Box::new(transitions.clone()))?;
         let spire_reachable = IntGauge::new(
             "spire_reachable",
             "0 after a SPIRE call failed as a whole, until one succeeds",
@@ -168,6 +179,7 @@ impl ControllerMetrics {
             derive,
             syncs,
             leader,
+            transitions,
             spire_reachable,
             last_success,
             drift_checks,
