@@ -161,9 +161,10 @@ pub struct RunArgs {
     #[arg(long, env = "REGISTRAR_LEASE_RETRY_PERIOD", default_value = "2s", value_parser = parse_duration)]
     pub lease_retry_period: Duration,
 
-    /// A leader whose SPIRE calls have all failed for this long releases the Lease, and
-    /// competes again only once a probe of its SPIRE succeeds (so a replica that can reach
-    /// SPIRE leads).
+    /// A leader that SPIRE has left unanswered for this long (counted from the start of the
+    /// first unanswered call, so a stalled connection counts from the stall) releases the
+    /// Lease, and competes again only once a probe of its SPIRE succeeds (so a replica that
+    /// can reach SPIRE leads). With the other defaults: the Lease goes within 15 s of a stall.
     #[arg(long, env = "REGISTRAR_SPIRE_UNUSABLE_AFTER", default_value = "12s", value_parser = parse_duration)]
     pub spire_unusable_after: Duration,
 

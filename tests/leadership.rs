@@ -25,24 +25,23 @@ use spiffe_registrar::spire::proto::entry::BatchDeleteEntryRequest;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-const RENEW_DEADLINE: Duration = Duration::from_secs(3);
-const RETRY: Duration = Duration::from_secs(1);
+/// The shipped --renew-deadline and --lease-retry-period.
+const RENEW_DEADLINE: Duration = Duration::from_secs(10);
+const RETRY: Duration = Duration::from_secs(2);
 const WAIT: Duration = Duration::from_secs(60);
 
 /// Quick failover, valid by the fencing rule: 8 s lease > 3 s deadline + 4 s longest write.
-fn flags(extra: &[&str]) -> Vec<String> {
-    let mut flags: Vec<String> = [
-        "--lease-duration=8s",
-        "--renew-deadline=3s",
-        "--lease-retry-period=1s",
-        "--spire-rps=0",
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .collect();
-    flags.extend(extra.iter().map(ToString::to_string));
-    flags
-}
+/// Short leases and no SPIRE rate limit: most tests here observe an order of events, not
+/// the shipped timings (those are `AT_DEFAULTS`' tests).
+const FAST: &[&str] = &[
+    "--lease-duration=8s",
+    "--renew-deadline=3s",
+    "--lease-retry-period=1s",
+    "--spire-rps=0",
+];
+
+/// Every flag at its shipped default.
+const AT_DEFAULTS: &[&str] = &[];
 
 /// One test's deployment of the registrar: its namespace (Lease, Secret), its webhook
 /// configuration and its cluster name, all named `name`.
@@ -63,7 +62,8 @@ async fn home(stack: &Stack) -> Home {
 }
 
 impl Home {
-    /// A replica named `replica`, talking to the apiserver through `kubeconfig`.
+    /// A replica named `replica` with the `FAST` settings, talking to the apiserver through
+    /// `kubeconfig`.
     fn replica(
         &self,
         stack: &Stack,
@@ -72,7 +72,20 @@ impl Home {
         env: &[(&str, &str)],
         kubeconfig: Option<&Path>,
     ) -> Registrar {
-        let mut extra = extra.to_vec();
+        self.replica_with(stack, replica, FAST, extra, env, kubeconfig)
+    }
+
+    /// A replica with `base` settings and `extra` flags.
+    fn replica_with(
+        &self,
+        stack: &Stack,
+        replica: &str,
+        base: &[&str],
+        extra: &[&str],
+        env: &[(&str, &str)],
+        kubeconfig: Option<&Path>,
+    ) -> Registrar {
+        let mut extra: Vec<&str> = base.iter().chain(extra).copied().collect();
         let opt_in = format!("--namespace-label={HOME_LABEL}={}", self.name);
         extra.push(&opt_in);
         let options = Options {
@@ -80,7 +93,7 @@ impl Home {
             webhook_configuration: &self.name,
             cluster_name: &self.name,
             name: replica,
-            extra_args: flags(&extra),
+            extra_args: extra.iter().map(ToString::to_string).collect(),
             extra_env: env
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -310,6 +323,56 @@ async fn a_leader_that_cannot_use_spire_steps_down_and_the_other_replica_takes_o
     );
 }
 
+/// At the shipped defaults, a leader whose SPIRE connection stalls (open and silent, the
+/// usual shape of a partition) releases the Lease within 15 s of the stall, and the replica
+/// that can reach SPIRE registers a new workload within 20 s: read from the Lease and from
+/// SPIRE. Each replica starts and ends a term once (by metric).
+#[tokio::test(flavor = "multi_thread")]
+async fn at_defaults_a_stalled_spire_costs_the_lease_within_15s_and_a_write_within_20s() {
+    let stack = Stack::shared();
+    let home = home(stack).await;
+    let (proxy, via_proxy) = spire_proxy(stack).await;
+    let a = home.replica_with(stack, "a", AT_DEFAULTS, &[&via_proxy], &[], None);
+    home.wait_holder("a", WAIT).await;
+    let b = home.replica_with(stack, "b", AT_DEFAULTS, &[], &[], None);
+    let (scenario, ns) = workloads(stack, &home).await;
+    scenario.registered(&ns, "before", "before").await;
+
+    proxy.stall();
+    let stalled = Instant::now();
+    scenario
+        .deployments(&ns)
+        .create(&PostParams::default(), &deployment("after", Some("after")))
+        .await
+        .expect("create");
+    eventually("A to let the Lease go", Duration::from_secs(30), || async {
+        (home.holder().await.as_deref() != Some("a")).then_some(())
+    })
+    .await;
+    let released = stalled.elapsed();
+    let registered = until_registered(
+        &stack.spire_server.socket,
+        &sa(&ns, "after"),
+        Duration::from_secs(30),
+    )
+    .await;
+    let written = stalled.elapsed();
+    eprintln!(
+        "stalled SPIRE at defaults: Lease released after {released:?}, entry written after {written:?} (waited {registered:?})"
+    );
+    assert!(
+        released <= Duration::from_secs(15),
+        "released after {released:?}"
+    );
+    assert!(
+        written <= Duration::from_secs(20),
+        "written after {written:?}"
+    );
+    assert_eq!(home.holder().await.as_deref(), Some("b"));
+    assert_transitions(&a, 1.0, 1.0);
+    assert_transitions(&b, 1.0, 0.0);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn registration_resumes_within_2s_of_spire_returning_after_a_long_outage() {
     let stack = Stack::shared();
@@ -417,6 +480,7 @@ async fn a_task_that_panics_turns_readyz_red_and_the_process_exits_non_zero() {
     assert!(!status.success(), "exit status {status}");
 }
 
+/// At the shipped defaults: the cut-off leader's own clock ends its term by its renew deadline.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_leader_cut_off_from_the_apiserver_stops_writing_at_its_renew_deadline() {
     let stack = Stack::shared();
@@ -424,10 +488,10 @@ async fn a_leader_cut_off_from_the_apiserver_stops_writing_at_its_renew_deadline
     let apiserver = stack.kube.url.trim_start_matches("https://").to_string();
     let proxy = Proxy::tcp(apiserver).await;
     let kubeconfig = kubeconfig_via(stack, &proxy);
-    let a = home.replica(stack, "a", &[], &[], Some(&kubeconfig));
+    let a = home.replica_with(stack, "a", AT_DEFAULTS, &[], &[], Some(&kubeconfig));
     home.wait_holder("a", WAIT).await;
     leader_gauge(&a, 1.0, WAIT).await;
-    let b = home.replica(stack, "b", &[], &[], None);
+    let b = home.replica_with(stack, "b", AT_DEFAULTS, &[], &[], None);
     let (scenario, ns) = workloads(stack, &home).await;
     scenario.registered(&ns, "before", "before").await;
 
@@ -437,7 +501,7 @@ async fn a_leader_cut_off_from_the_apiserver_stops_writing_at_its_renew_deadline
     // was at most one retry period before the cut.
     leader_gauge(&a, 0.0, RENEW_DEADLINE + RETRY + Duration::from_secs(2)).await;
     let fenced = cut.elapsed();
-    home.wait_holder("b", Duration::from_secs(30)).await;
+    home.wait_holder("b", Duration::from_secs(40)).await;
     let took_over = cut.elapsed();
 
     // A keeps running with frozen caches: it has never seen "after". Were it still writing,

@@ -28,7 +28,11 @@ impl<A: EntryApi> Controller<A> {
                 info!("SPIRE reachable again");
             }
         } else if health.failing_since.is_none() {
-            health.failing_since = Some(Instant::now());
+            // The clock starts when the first unanswered call began (a stalled connection
+            // costs a call timeout or two before anything fails), not when it gave up.
+            let now = Instant::now();
+            let began = self.api.unanswered_since().map_or(now, |at| at.min(now));
+            health.failing_since = Some(began);
         }
         self.metrics.spire_reachable.set(i64::from(ok));
     }
@@ -40,9 +44,28 @@ impl<A: EntryApi> Controller<A> {
         ok
     }
 
+    /// A leader's probe while SPIRE fails: given up when the step-down is due, so that a
+    /// stalled probe cannot hold the Lease past `--spire-unusable-after`.
+    async fn leader_probe(&mut self) -> bool {
+        let due = self
+            .health
+            .failing_for()
+            .map(|failing| self.settings.spire_unusable_after.saturating_sub(failing));
+        let probe = self.api.count_hinted();
+        let ok = match due {
+            Some(left) => matches!(
+                tokio::time::timeout(left.max(Duration::from_millis(100)), probe).await,
+                Ok(Ok(_))
+            ),
+            None => probe.await.is_ok(),
+        };
+        self.spire_answered(ok);
+        ok
+    }
+
     /// A probe while SPIRE fails: is a sync due now that it answers?
     pub(super) async fn probe_wake(&mut self) -> Probed {
-        if !self.probe_spire().await {
+        if !self.leader_probe().await {
             return Probed::Down;
         }
         if !self.pace.retry_owed && !self.drifted().await {

@@ -170,14 +170,17 @@ impl<A: EntryApi> Controller<A> {
         next_drift_check: Instant,
         shutdown: &CancellationToken,
     ) -> Option<Wake> {
+        // While SPIRE fails, only probes run: a sync would wait out a stalled connection's
+        // timeouts again and hold the Lease past the step-down. Changes wait (the trigger
+        // keeps its permit) and syncs resume once a probe is answered.
         let failing = self.health.failing();
         Some(tokio::select! {
             _ = shutdown.cancelled() => return None,
-            _ = trigger.notified() => {
+            _ = trigger.notified(), if !failing => {
                 tokio::time::sleep(self.settings.debounce).await;
                 Wake::Changed
             }
-            _ = tokio::time::sleep_until(next_sync.into()) => Wake::Sync,
+            _ = tokio::time::sleep_until(next_sync.into()), if !failing => Wake::Sync,
             _ = tokio::time::sleep_until(next_drift_check.into()), if !failing => Wake::DriftCheck,
             _ = tokio::time::sleep(PROBE_INTERVAL), if failing => Wake::Probe,
         })

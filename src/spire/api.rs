@@ -80,4 +80,10 @@ pub trait EntryApi: Send + Sync + 'static {
     /// are not ours (`Ownership::is_ours`: ID prefix and hint, as SPIRE reported them) are
     /// refused without a call.
     fn delete(&self, entries: Vec<Entry>) -> impl Future<Output = Vec<DeleteResult>> + Send;
+    /// When the oldest call that SPIRE has not answered since its last answer began: where a
+    /// stall started, which is earlier than the moment a call gives up on it. `None` when
+    /// the last call was answered (or nothing tracks it).
+    fn unanswered_since(&self) -> Option<std::time::Instant> {
+        None
+    }
 }

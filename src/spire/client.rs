@@ -51,6 +51,8 @@ pub struct GrpcEntryClient {
     limiter: TokenBucket,
     metrics: SpireMetrics,
     batch: BatchSize,
+    /// See `EntryApi::unanswered_since`.
+    unanswered_since: std::sync::Mutex<Option<Instant>>,
 }
 
 /// The write batch size in use. A batch must finish well within the call deadline, which
@@ -118,11 +120,26 @@ impl GrpcEntryClient {
             limiter,
             metrics,
             batch: BatchSize::new(),
+            unanswered_since: std::sync::Mutex::new(None),
         }
     }
 
     pub fn ownership(&self) -> &Ownership {
         &self.ownership
+    }
+
+    /// An answer (`None`), or a call begun at `unanswered` that got none: the oldest such
+    /// start since the last answer is kept.
+    fn answered(&self, unanswered: Option<Instant>) {
+        let mut since = self
+            .unanswered_since
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        *since = match (unanswered, *since) {
+            (None, _) => None,
+            (Some(at), Some(earlier)) => Some(at.min(earlier)),
+            (Some(at), None) => Some(at),
+        };
     }
 
     /// One logical call: rate-limited attempts, each with a deadline, retried on transient
@@ -175,8 +192,19 @@ impl GrpcEntryClient {
                 .with_label_values(&[op, &format!("{code:?}")])
                 .observe(attempt_started.elapsed().as_secs_f64());
             let status = match outcome {
-                Ok(response) => return Ok(response.into_inner()),
-                Err(status) => status,
+                Ok(response) => {
+                    self.answered(None);
+                    return Ok(response.into_inner());
+                }
+                Err(status) if !is_transient(status.code()) => {
+                    // SPIRE answered, with a refusal.
+                    self.answered(None);
+                    status
+                }
+                Err(status) => {
+                    self.answered(Some(started));
+                    status
+                }
             };
             if !is_transient(status.code()) {
                 return Err(SpireError::Rpc {
@@ -375,6 +403,13 @@ fn failed_items<'a, T>(
 }
 
 impl EntryApi for GrpcEntryClient {
+    fn unanswered_since(&self) -> Option<Instant> {
+        *self
+            .unanswered_since
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
     async fn list_ours(&self) -> Result<Vec<Entry>, SpireError> {
         let mut entries = Vec::new();
         for hint in self.ownership.hints() {

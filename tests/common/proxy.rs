@@ -1,6 +1,7 @@
-//! A byte proxy on loopback (TCP) or a Unix socket, which a test can cut and restore: a
-//! partition between one registrar and the apiserver, or between one registrar and its SPIRE
-//! server, while everything else keeps talking.
+//! A byte proxy on loopback (TCP) or a Unix socket, which a test can cut and restore, or
+//! stall: a partition between one registrar and the apiserver, or between one registrar and
+//! its SPIRE server, while everything else keeps talking. A cut resets connections (a dead
+//! peer's kernel); a stall keeps them open and silent (a network path that drops packets).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,6 +11,7 @@ use tokio::task::AbortHandle;
 
 pub struct Proxy {
     cut: Arc<AtomicBool>,
+    stalled: tokio::sync::watch::Sender<bool>,
     open: Arc<Mutex<Vec<AbortHandle>>>,
     accept: AbortHandle,
     /// Where clients connect: `127.0.0.1:<port>` or a socket path.
@@ -64,6 +66,7 @@ impl Proxy {
         Fut: Future<Output = Option<(S, Option<S>)>> + Send,
     {
         let cut = Arc::new(AtomicBool::new(false));
+        let (stalled, stall) = tokio::sync::watch::channel(false);
         let open: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
         let task = tokio::spawn({
             let (cut, open) = (cut.clone(), open.clone());
@@ -78,8 +81,16 @@ impl Proxy {
                     else {
                         continue;
                     };
+                    let mut stall = stall.clone();
                     let copy = tokio::spawn(async move {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                        let stalled = tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut client, &mut upstream) => false,
+                            _ = stall.wait_for(|stalled| *stalled) => true,
+                        };
+                        if stalled {
+                            // Both ends stay open, and nothing more is read or written.
+                            std::future::pending::<()>().await;
+                        }
                     });
                     open.lock().expect("lock").push(copy.abort_handle());
                 }
@@ -87,6 +98,7 @@ impl Proxy {
         });
         Self {
             cut,
+            stalled,
             open,
             accept: task.abort_handle(),
             listen,
@@ -97,6 +109,11 @@ impl Proxy {
     pub fn cut(&self) {
         self.cut.store(true, Ordering::SeqCst);
         self.sever();
+    }
+
+    /// Keeps every connection, open and new, open and silent: nothing is forwarded.
+    pub fn stall(&self) {
+        self.stalled.send_replace(true);
     }
 
     pub fn restore(&self) {
