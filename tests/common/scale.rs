@@ -546,7 +546,13 @@ pub async fn run(config: Config) -> Value {
     let updates = (status_writes(&stack) - status_writes_before) as usize;
     let cpu = cpu_seconds(pid) - cpu_before;
     let rollout_s = rolling.elapsed().as_secs_f64();
-    let cpu_s_per_1000_status_updates = cpu * 1000.0 / updates.max(1) as f64;
+    // CronJobs alone write no status in a rollout: no figure (null) rather than a quotient of
+    // nothing.
+    let cpu_s_per_1000_status_updates = if updates == 0 {
+        f64::NAN
+    } else {
+        cpu * 1000.0 / updates as f64
+    };
     progress(&format!("rollout: {updates} updates, {cpu:.2} CPU s"));
 
     tokio::time::sleep(Duration::from_secs(2)).await;
