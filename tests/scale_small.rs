@@ -44,7 +44,13 @@ async fn the_scale_benchmark_runs_and_reports_every_figure() {
         let value = report[key].as_f64().unwrap_or(f64::NAN);
         assert!(value.is_finite() && value > 0.0, "{key} = {value}");
     }
-    for key in ["cpu_s_per_min_at_rest", "spire_cpu_s_per_min_at_rest"] {
+    for key in [
+        "cpu_s_per_min_at_rest",
+        "spire_cpu_s_per_min_at_rest",
+        "rest_cpu_s_per_min",
+        "rest_kube_writes_per_min",
+        "rest_event_writes_per_min",
+    ] {
         let idle = report[key].as_f64().unwrap_or(f64::NAN);
         assert!(idle.is_finite() && idle >= 0.0, "{key} = {idle}");
     }

@@ -2,9 +2,11 @@
 //! published for six minutes and scans that cache on each publish: at a cold start of 50,000
 //! Deployments that is tens of MiB and quadratic CPU, and each Event write also competes with
 //! the patch that actually registers a Deployment. Here an Event is queued (bounded) and
-//! written at a steady pace; when the queue is full the Event is dropped and counted, as
-//! Kubernetes' own event broadcaster does. Repeats are already suppressed by
-//! `decide::Memory`, so no cache is needed.
+//! written slowly while workload writes wait, and one after another, at the apiserver's pace,
+//! once none does (so a first install's Events are written within seconds of its last
+//! annotation rather than trickling on for minutes after convergence); when the queue is full
+//! the Event is dropped and counted, as Kubernetes' own event broadcaster does. Repeats are
+//! already suppressed by `decide::Memory`, so no cache is needed.
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::events::v1::Event;
@@ -20,11 +22,16 @@ use tracing::Instrument;
 
 /// Events waiting to be written; beyond this they are dropped (and counted).
 const QUEUE: usize = 1024;
-/// Events written per second at most, one at a time. A first install on a large cluster
-/// registers thousands of Deployments in one sync; written as fast as the patches, their
-/// Events took a third of the apiserver's writes (10,000 Deployments on 2 cores) and slowed
-/// the patches that matter. Paced, they cost a few percent and the excess is dropped.
+/// Events written per second at most while workload writes wait, one at a time. A first
+/// install on a large cluster registers thousands of Deployments in one sync; written as fast
+/// as the patches, their Events took a third of the apiserver's writes (10,000 Deployments on
+/// 2 cores) and slowed the patches that matter. Paced, they cost a few percent and the excess
+/// is dropped.
 const EVENTS_PER_SECOND: u64 = 10;
+/// Event writes in flight at once when no workload write waits: a first install's queue
+/// (up to `QUEUE`) is written within a couple of seconds of its last annotation, instead of
+/// keeping the process busy for minutes after convergence.
+const IDLE_CONCURRENCY: usize = 8;
 const REPORTING_CONTROLLER: &str = "spiffe-registrar";
 
 struct Pending {
@@ -39,25 +46,53 @@ struct Pending {
 pub struct EventSink {
     queue: mpsc::Sender<Pending>,
     dropped: IntCounter,
+    /// Workload writes queued or in flight (`writer::Progress`): Events yield to them.
+    yield_to: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl EventSink {
     /// Starts the writer; it stops once every clone of the sink is dropped.
     pub fn start(client: Client, replica_id: String, dropped: IntCounter) -> Self {
         let (queue, mut pending) = mpsc::channel::<Pending>(QUEUE);
+        let yield_to = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let busy = yield_to.clone();
         tokio::spawn(
             async move {
                 let mut pace =
                     tokio::time::interval(Duration::from_millis(1000 / EVENTS_PER_SECOND));
                 pace.set_missed_tick_behavior(MissedTickBehavior::Delay);
+                let idle_writes = Arc::new(tokio::sync::Semaphore::new(IDLE_CONCURRENCY));
                 while let Some(event) = pending.recv().await {
-                    pace.tick().await;
-                    write(&client, &replica_id, event).await;
+                    if busy.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+                        pace.tick().await;
+                        write(&client, &replica_id, event).await;
+                        continue;
+                    }
+                    let Ok(permit) = idle_writes.clone().acquire_owned().await else {
+                        break;
+                    };
+                    let (client, replica_id) = (client.clone(), replica_id.clone());
+                    tokio::spawn(
+                        async move {
+                            write(&client, &replica_id, event).await;
+                            drop(permit);
+                        }
+                        .in_current_span(),
+                    );
                 }
             }
             .instrument(tracing::info_span!("event_writer")),
         );
-        Self { queue, dropped }
+        Self {
+            queue,
+            dropped,
+            yield_to,
+        }
+    }
+
+    /// The count of workload writes Events yield to (kept by `writer::Progress`).
+    pub fn yield_to(&self) -> Arc<std::sync::atomic::AtomicUsize> {
+        self.yield_to.clone()
     }
 
     /// Queues an Event about `regarding`; never waits.

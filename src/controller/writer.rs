@@ -87,7 +87,7 @@ impl WorkloadWriter {
         deployments: WorkloadStore,
     ) -> Self {
         let (queue, jobs) = mpsc::unbounded_channel();
-        let progress = Arc::new(Progress::default());
+        let progress = Arc::new(Progress::new(events.yield_to()));
         let driver = tokio::spawn(
             drive(client, events, deployments, jobs, progress.clone())
                 .instrument(tracing::info_span!("workload_writer")),
@@ -114,7 +114,7 @@ impl WorkloadWriter {
                 .with_label_values(&[&*write.key.namespace]);
             // The driver lives until `finish` drops the queue, so this cannot fail.
             let basis = Basis::of(desired, &write.key);
-            self.progress.pending.fetch_add(1, Ordering::Relaxed);
+            self.progress.started();
             let _ = self.queue.send(Job {
                 write,
                 basis,
@@ -209,17 +209,41 @@ impl Finished {
 }
 
 /// The queue's fill, shared by the writer and its driver: writes queued or in flight, and a
-/// wake-up each time one completes.
-#[derive(Default)]
+/// wake-up each time one completes. `events_yield_to` is the Event writer's view of the same
+/// count: Events are written slowly while workload writes wait, at once otherwise.
 struct Progress {
     pending: AtomicUsize,
     drained: Notify,
+    events_yield_to: Arc<AtomicUsize>,
 }
 
 impl Progress {
+    fn new(events_yield_to: Arc<AtomicUsize>) -> Self {
+        Self {
+            pending: AtomicUsize::new(0),
+            drained: Notify::new(),
+            events_yield_to,
+        }
+    }
+
+    fn started(&self) {
+        self.pending.fetch_add(1, Ordering::Relaxed);
+        self.events_yield_to.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn done(&self) {
         self.pending.fetch_sub(1, Ordering::Relaxed);
+        self.events_yield_to.fetch_sub(1, Ordering::Relaxed);
         self.drained.notify_one();
+    }
+}
+
+impl Drop for Progress {
+    /// Writes that never finished (the writer dropped mid-sync, its driver aborted) no longer
+    /// hold Events back.
+    fn drop(&mut self) {
+        let left = self.pending.load(Ordering::Relaxed);
+        self.events_yield_to.fetch_sub(left, Ordering::Relaxed);
     }
 }
 

@@ -61,10 +61,21 @@ pub fn binary(dir: PathBuf, name: &str) -> PathBuf {
 
 /// A loopback TCP port that was free a moment ago. Racy by nature; callers start quickly.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("binding 127.0.0.1:0 must succeed")
+    // The kernel may hand the same port out again as soon as the probe's listener closes
+    // (etcd once got one port for both its client and peer URLs): a port is never handed out
+    // twice by one test process.
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .map(|addr| addr.port())
+            .expect("binding 127.0.0.1:0 must succeed");
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// Directory holding `containerd`, `ctr` and `containerd-shim-runc-v2`.

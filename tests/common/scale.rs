@@ -342,6 +342,57 @@ async fn raw_create_seconds(socket: &std::path::Path, count: usize) -> f64 {
 }
 
 /// Runs the benchmark; returns the JSON object the example prints.
+/// What the registrar did in a window with nothing changing.
+struct RestWindow {
+    cpu_s_per_min: f64,
+    spire_calls_per_min: f64,
+    syncs: f64,
+    kube_writes_per_min: f64,
+    /// Of those, Events (the rest are Lease renewals).
+    event_writes_per_min: f64,
+    event_write_ms: f64,
+}
+
+async fn rest_window(registrar: &Registrar, pid: i32, rest: Duration) -> RestWindow {
+    let syncs = || registrar.metric("reconcile_duration_seconds_count", &[]);
+    let writes = || registrar.metric("kube_write_duration_seconds_count", &[]);
+    let events = || {
+        let of = [("resource", "events")];
+        (
+            registrar.metric("kube_write_duration_seconds_count", &of),
+            registrar.metric("kube_write_duration_seconds_sum", &of),
+        )
+    };
+    let (cpu, calls, synced, written, evented) = (
+        cpu_seconds(pid),
+        registrar.spire_calls(),
+        syncs(),
+        writes(),
+        events(),
+    );
+    progress(&format!("quiet after convergence for {} s", rest.as_secs()));
+    tokio::time::sleep(rest).await;
+    let per_min = 60.0 / rest.as_secs_f64().max(1.0);
+    let window = RestWindow {
+        cpu_s_per_min: (cpu_seconds(pid) - cpu) * per_min,
+        spire_calls_per_min: (registrar.spire_calls() - calls) * per_min,
+        syncs: syncs() - synced,
+        kube_writes_per_min: (writes() - written) * per_min,
+        event_writes_per_min: (events().0 - evented.0) * per_min,
+        event_write_ms: (events().1 - evented.1) * 1000.0 / (events().0 - evented.0).max(1.0),
+    };
+    progress(&format!(
+        "quiet: {:.3} CPU s/min, {:.1} SPIRE calls/min, {} syncs, {:.1} Kubernetes writes/min ({:.1} Events, {:.1} ms each)",
+        window.cpu_s_per_min,
+        window.spire_calls_per_min,
+        window.syncs,
+        window.kube_writes_per_min,
+        window.event_writes_per_min,
+        window.event_write_ms
+    ));
+    window
+}
+
 pub async fn run(config: Config) -> Value {
     let Config {
         deployments,
@@ -480,6 +531,12 @@ pub async fn run(config: Config) -> Value {
     progress(&format!("entries after {entries_s:.1} s"));
     let annotations_s = until("every entry-id", started, registered(deployments)).await;
     progress(&format!("annotations after {annotations_s:.1} s"));
+
+    // Quiet at rest: from 5 s after the last entry-id, for `rest`, with nothing changing:
+    // what keeps running after convergence (follow-up syncs, timers, lease renewals, drift
+    // checks, allocator purges) and what it costs.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let quiet = rest_window(&registrar, pid, rest).await;
 
     let extra = (deployments / 10).max(1);
     let live = Instant::now();
@@ -649,6 +706,11 @@ pub async fn run(config: Config) -> Value {
         "cpu_s_per_1000_status_updates": cpu_s_per_1000_status_updates,
         "status_updates": updates,
         "rollout_s": rollout_s,
+        "rest_cpu_s_per_min": quiet.cpu_s_per_min,
+        "rest_spire_calls_per_min": quiet.spire_calls_per_min,
+        "rest_syncs": quiet.syncs,
+        "rest_kube_writes_per_min": quiet.kube_writes_per_min,
+        "rest_event_writes_per_min": quiet.event_writes_per_min,
         "cpu_s_per_min_at_rest": cpu_s_per_min_at_rest,
         "spire_calls_per_min_at_rest": spire_calls_per_min_at_rest,
         "spire_lists_at_rest": spire_lists_at_rest,
