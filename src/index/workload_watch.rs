@@ -352,7 +352,7 @@ impl Backoff {
         self.failures += 1;
         tracing::debug!(
             delay_ms = delay.as_millis() as u64,
-            "Deployment watch backing off"
+            "workload watch backing off"
         );
         tokio::time::sleep(delay).await;
     }
