@@ -185,6 +185,11 @@ struct Election {
     observed: Option<Observed>,
     /// The current term's end switch and deadline, while leading.
     current: Option<(CancellationToken, watch::Sender<Instant>)>,
+    /// The Lease as our last write left it, while we lead: the next renewal writes over it
+    /// directly, one request instead of a read and a write (at rest the renewals are most of
+    /// what the process does). Its resourceVersion makes the write conditional, so a Lease
+    /// changed since is never overwritten: the conflict sends the round back to reading it.
+    renewable: Option<Lease>,
 }
 
 /// What one attempt found.
@@ -209,6 +214,7 @@ impl Election {
             useful,
             observed: None,
             current: None,
+            renewable: None,
         }
     }
 
@@ -297,6 +303,7 @@ impl Election {
     }
 
     fn end_term(&mut self, why: &str) {
+        self.renewable = None;
         if let Some((ended, _)) = self.current.take() {
             // Unpublished first: whoever wakes on the cancellation must find no term.
             self.publish.send_replace(None);
@@ -321,6 +328,20 @@ impl Election {
     async fn try_acquire_or_renew(&mut self) -> Result<Attempt, kube::Error> {
         let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
         let me = self.settings.identity.clone();
+        if let Some(mut ours) = self.renewable.take().filter(|_| self.current.is_some()) {
+            if let Some(spec) = ours.spec.as_mut() {
+                spec.renew_time = Some(now.clone());
+                spec.lease_duration_seconds = Some(self.lease_seconds());
+            }
+            let params = PostParams::default();
+            let replace = self.api.replace(LEASE_NAME, &params, &ours);
+            match crate::telemetry::kube_write("update", "leases", replace).await {
+                Ok(written) => return Ok(self.holding(written)),
+                // Changed since our write: read it and decide as from scratch.
+                Err(kube::Error::Api(status)) if status.code == 409 => {}
+                Err(error) => return Err(error),
+            }
+        }
         let Some(lease) = self.api.get_opt(LEASE_NAME).await? else {
             let lease = Lease {
                 metadata: ObjectMeta {
@@ -339,7 +360,7 @@ impl Election {
             let params = PostParams::default();
             let create = self.api.create(&params, &lease);
             return match crate::telemetry::kube_write("create", "leases", create).await {
-                Ok(_) => Ok(Attempt::Holding),
+                Ok(written) => Ok(self.holding(written)),
                 Err(kube::Error::Api(status)) if status.code == 409 => {
                     Ok(Attempt::HeldElsewhere("(created concurrently)".into()))
                 }
@@ -374,12 +395,21 @@ impl Election {
         let params = PostParams::default();
         let replace = self.api.replace(LEASE_NAME, &params, &next);
         match crate::telemetry::kube_write("update", "leases", replace).await {
-            Ok(_) => Ok(Attempt::Holding),
+            Ok(written) => Ok(self.holding(written)),
             Err(kube::Error::Api(status)) if status.code == 409 => Ok(Attempt::HeldElsewhere(
                 holder.unwrap_or_else(|| "(taken concurrently)".into()),
             )),
             Err(error) => Err(error),
         }
+    }
+
+    /// We hold `written`, as the apiserver returned it: what the next renewal writes over.
+    fn holding(&mut self, written: Lease) -> Attempt {
+        if let Some(spec) = &written.spec {
+            self.observe(spec);
+        }
+        self.renewable = Some(written);
+        Attempt::Holding
     }
 
     /// Notes the Lease as read; its expiry clock restarts whenever its content changes.
@@ -412,6 +442,7 @@ impl Election {
     /// Best effort and bounded: on failure the Lease simply expires.
     async fn release(&mut self) {
         let me = self.settings.identity.clone();
+        self.renewable = None;
         let attempt = async {
             let Some(mut lease) = self.api.get_opt(LEASE_NAME).await? else {
                 return Ok::<bool, kube::Error>(false);

@@ -294,3 +294,69 @@ async fn deleting_a_namespace_of_2000_deployments_leaves_no_entry_and_nothing_st
     let entries = bed.stack.spire_server.entries(&["-selector", &selector]);
     assert!(entries.is_empty(), "{} entries left", entries.len());
 }
+
+/// The service accounts (`sa:` selector values) SPIRE holds entries for in `ns`.
+fn accounts_with_entries(bed: &InSuite, ns: &str) -> std::collections::BTreeSet<String> {
+    let selector = format!("k8s:ns:{ns}");
+    bed.stack
+        .spire_server
+        .entries(&["-selector", &selector])
+        .iter()
+        .flat_map(|entry| entry["selectors"].as_array().cloned().unwrap_or_default())
+        .filter_map(|s| Some(s["value"].as_str()?.strip_prefix("sa:")?.to_string()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn deleting_1000_deployments_releases_their_entries_and_keeps_what_survivors_need() {
+    let bed = suite();
+    let _turn = TURN.lock().await;
+    let s = Scenario::new(&bed.stack.kube).await;
+    s.policy("p", s.spec("p")).await;
+    let ns = s.namespace(true).await;
+    registered_fleet(&s, std::slice::from_ref(&ns)).await;
+    // Gone whole: d1000…d1999 (service accounts 500…999). Half gone: one Deployment of each
+    // of the service accounts 0…99, whose entries the other one still needs.
+    let doomed: Vec<usize> = (1_000..DEPLOYMENTS).chain((0..200).step_by(2)).collect();
+    let needed: std::collections::BTreeSet<String> =
+        (0..500).map(|sa| format!("d-sa{sa}")).collect();
+    let api = s.deployments(&ns);
+    futures::stream::iter(doomed.iter().copied())
+        .for_each_concurrent(16, |i| {
+            let api = api.clone();
+            async move {
+                api.delete(&format!("d{i}"), &DeleteParams::default())
+                    .await
+                    .expect("delete");
+            }
+        })
+        .await;
+    // Sampled through the deletion: no entry a surviving Deployment needs ever goes.
+    let survivors = DEPLOYMENTS - doomed.len();
+    let bed = &bed;
+    let left = eventually(
+        "the deleted Deployments and their entries gone",
+        SETTLE,
+        || {
+            let (api, needed, ns) = (api.clone(), needed.clone(), ns.clone());
+            async move {
+                let held = accounts_with_entries(bed, &ns);
+                let lost: Vec<_> = needed.difference(&held).collect();
+                assert!(
+                    lost.is_empty(),
+                    "entries still needed were deleted: {lost:?}"
+                );
+                let list = api.list(&ListParams::default()).await.ok()?;
+                (list.items.len() == survivors && held == needed).then_some(list)
+            }
+        },
+    )
+    .await;
+    for d in &left.items {
+        assert!(
+            d.metadata.deletion_timestamp.is_none() && common::k8s::has_finalizer(d),
+            "a survivor keeps its finalizer: {:?}",
+            d.metadata.name
+        );
+    }
+}

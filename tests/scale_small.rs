@@ -17,6 +17,8 @@ async fn the_scale_benchmark_runs_and_reports_every_figure() {
         rest: Duration::from_secs(10),
         datastore: common::scale::Datastore::Postgres,
         write_queue_bound: Some(16),
+        delete: 200,
+        rollout: true,
     })
     .await;
     eprintln!("{report}");
@@ -40,6 +42,16 @@ async fn the_scale_benchmark_runs_and_reports_every_figure() {
         "changed_syncs",
         // At least one drift check falls in the rest (asserted below): its count took time.
         "count_ms_at_rest",
+        "entries_ratio_to_raw_create",
+        "entry_ids_ratio_to_raw",
+        // The deleted entry came back; the deleted workloads and their entries are gone
+        // (the phases wait for both, from the apiserver's side and SPIRE's).
+        "drift_repair_s",
+        "delete_s",
+        "raw_delete_s",
+        "delete_ratio_to_raw_patch",
+        "restart_first_sync_s",
+        "restart_peak_rss_mib",
     ] {
         let value = report[key].as_f64().unwrap_or(f64::NAN);
         assert!(value.is_finite() && value > 0.0, "{key} = {value}");
@@ -66,6 +78,15 @@ async fn the_scale_benchmark_runs_and_reports_every_figure() {
     assert!(
         heap < rss,
         "the counted heap ({heap} MiB) is part of RSS ({rss} MiB)"
+    );
+    assert_eq!(report["deleted"], 200);
+    assert_eq!(
+        (
+            report["restart_spire_writes"].as_f64(),
+            report["restart_kube_writes"].as_f64()
+        ),
+        (Some(0.0), Some(0.0)),
+        "a restart over a registered cluster writes nothing to SPIRE or to workloads"
     );
     assert_eq!(
         report["spire_lists_at_rest"], 0.0,

@@ -1,8 +1,11 @@
 //! Carries a plan's SPIRE writes out, stage by stage in the order `SpirePlan::stages` gives,
-//! and hands each create chunk's Deployments to the writer as soon as their entries exist
-//! (so annotating overlaps the next chunk). SPIRE is never kept waiting for the apiserver:
-//! while the writer's queue is full, a chunk's Deployments are handed over after the last
-//! SPIRE write, as the queue drains.
+//! and hands each create chunk's Deployments to the writer as their entries exist. Identity
+//! first: the writer starts no patch until SPIRE has every write of the plan
+//! (`WorkloadWriter::behind_spire`), because the entries are what Pods wait for and the
+//! annotations are bookkeeping that competes for the same cores (the apiserver absorbing
+//! patches, kube-controller-manager copying them to ReplicaSets, spire-server creating). SPIRE
+//! is never kept waiting for the apiserver: once the writer's queue is full, a chunk's
+//! Deployments are handed over after the last SPIRE write, as the queue drains.
 
 use super::decide::{self, SpirePlan, StageKind};
 use super::desired::Desired;
@@ -17,7 +20,7 @@ use std::collections::BTreeSet;
 use tracing::{info, warn};
 
 /// Entries created before their Deployments are handed to the writer: a few SPIRE batches,
-/// so annotating overlaps creating without recomputing the writes too often.
+/// so the writer's queue fills while SPIRE creates, without recomputing writes too often.
 const CREATE_CHUNK: usize = 200;
 
 impl<A: EntryApi> Controller<A> {
@@ -33,6 +36,11 @@ impl<A: EntryApi> Controller<A> {
         let mut report = ApplyReport::default();
         // Created, but their Deployments not yet handed to the writer (its queue was full).
         let mut waiting: Vec<BTreeSet<SaKey>> = Vec::new();
+        let spire_first = if plan.create.is_empty() {
+            None
+        } else {
+            Some(writer.behind_spire().await)
+        };
         for stage in plan.stages(CREATE_CHUNK) {
             match stage.kind {
                 StageKind::DeleteReplaced => {}
@@ -61,6 +69,7 @@ impl<A: EntryApi> Controller<A> {
                 waiting.push(scope);
             }
         }
+        drop(spire_first);
         for scope in waiting {
             writer.room().await;
             self.hand_over(desired, plan, &report, writer, &scope);

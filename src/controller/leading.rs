@@ -174,10 +174,17 @@ impl<A: EntryApi> Controller<A> {
         // timeouts again and hold the Lease past the step-down. Changes wait (the trigger
         // keeps its permit) and syncs resume once a probe is answered.
         let failing = self.health.failing();
+        // Changes that piled up while the last sync ran are a batch already: waiting the
+        // debounce on top would leave the apiserver idle between the syncs of a burst (a
+        // mass deletion went at half the apiserver's pace). The debounce gathers the start
+        // of a burst that finds the loop idle.
+        let backlog = self.index.changes.pending();
         Some(tokio::select! {
             _ = shutdown.cancelled() => return None,
             _ = trigger.notified(), if !failing => {
-                tokio::time::sleep(self.settings.debounce).await;
+                if !backlog {
+                    tokio::time::sleep(self.settings.debounce).await;
+                }
                 Wake::Changed
             }
             _ = tokio::time::sleep_until(next_sync.into()), if !failing => Wake::Sync,

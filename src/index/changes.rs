@@ -51,6 +51,14 @@ impl Changes {
         }
     }
 
+    /// Whether anything changed since the last `take` (read without taking it).
+    pub fn pending(&self) -> bool {
+        match &*self.lock() {
+            Changed::Everything => true,
+            Changed::Accounts(accounts) => !accounts.is_empty(),
+        }
+    }
+
     /// What changed since the last call; resets to "nothing".
     pub fn take(&self) -> Changed {
         std::mem::replace(&mut *self.lock(), Changed::Accounts(BTreeSet::new()))
@@ -71,9 +79,12 @@ mod tests {
     #[test]
     fn accounts_accumulate_until_taken_and_everything_absorbs_them() {
         let changes = Changes::default();
+        assert!(changes.pending());
         assert_eq!(changes.take(), Changed::Everything, "a fresh start is full");
+        assert!(!changes.pending());
         assert_eq!(changes.take(), Changed::Accounts(BTreeSet::new()));
         changes.account(sa("a"));
+        assert!(changes.pending());
         changes.account(sa("b"));
         changes.account(sa("a"));
         assert_eq!(

@@ -3,6 +3,7 @@
 //!
 //!   cargo run --release --example scale -- --deployments 10000 [--rest-seconds 300]
 //!       [--datastore sqlite|sqlite-analyzed|postgres] [--kinds deployments|mixed|statefulsets|daemonsets|jobs|cronjobs]
+//!       [--delete 1000] [--no-rollout]
 //!
 //! `--kinds mixed` makes workload i a Deployment, StatefulSet, DaemonSet, Job or CronJob in
 //! turn (i mod 5), so the two workloads of each service account are of different kinds.
@@ -23,6 +24,7 @@ use std::time::Duration;
 async fn main() {
     let deployments = flag("--deployments").map_or(1_000, |v| v.parse().expect("a number"));
     let rest = flag("--rest-seconds").map_or(300, |v| v.parse().expect("seconds"));
+    let delete = flag("--delete").map_or(1_000, |v| v.parse().expect("a number"));
     let datastore = flag("--datastore").map_or(Datastore::Sqlite, |name| {
         Datastore::parse(&name).unwrap_or_else(|| {
             eprintln!("--datastore {name}: sqlite, sqlite-analyzed or postgres");
@@ -47,6 +49,8 @@ async fn main() {
         rest: Duration::from_secs(rest),
         datastore,
         write_queue_bound: None,
+        delete,
+        rollout: !std::env::args().any(|a| a == "--no-rollout"),
     })
     .await;
     println!("{report}");

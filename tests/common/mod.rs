@@ -30,6 +30,7 @@ pub mod registrar;
 pub mod reports;
 pub mod sampler;
 pub mod scale;
+pub mod scale_phases;
 pub mod spire;
 pub mod sqlite;
 pub mod stack;

@@ -359,7 +359,8 @@ impl Registrar {
                         .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\""))))
                 .then(|| value.parse::<f64>().ok())?
             })
-            .sum()
+            // From +0: an empty `sum` of floats is -0, which reports print as "-0".
+            .fold(0.0, |all, value| all + value)
     }
 
     /// SPIRE Entry API calls made so far (every operation, every result).
