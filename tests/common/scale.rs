@@ -578,11 +578,6 @@ pub async fn run(config: Config) -> Value {
     }
 
     progress(&format!(
-        "raw SPIRE batch create of {service_accounts} entries"
-    ));
-    let raw_create_s = raw_create_seconds(&socket, service_accounts).await;
-
-    progress(&format!(
         "creating {deployments} Deployments (no registrar yet)"
     ));
     let created = Instant::now();
@@ -645,6 +640,13 @@ pub async fn run(config: Config) -> Value {
         0.0,
     )
     .await;
+    // The SPIRE-side limit, taken last so that SPIRE creates under the conditions the
+    // registrar's cold start meets (the workloads and their controllers in place): at 10,000
+    // Deployments the same create took 15.9 s here and 10.4 s on the idle cluster.
+    progress(&format!(
+        "raw SPIRE batch create of {service_accounts} entries"
+    ));
+    let raw_create_s = raw_create_seconds(&socket, service_accounts).await;
 
     // Cold start: the webhook configuration and the registrar arrive now.
     let port = free_port();
