@@ -88,7 +88,10 @@ pub fn api_of(client: &Client, workload: &WorkloadRecord) -> Api<DynamicObject> 
 }
 
 /// Patches one workload. A failed `test` (the cache was stale) is not an error worth more
-/// than a debug line: the watch event that made it stale triggers the next sync.
+/// than a debug line: the watch event that made it stale triggers the next sync. The answer
+/// is the object's metadata alone: the watch brings the rest, and at thousands of patches a
+/// whole object encoded by the apiserver and decoded here per patch is a share of the cores
+/// the patches themselves need.
 pub async fn patch_metadata(
     client: &Client,
     deployment: &WorkloadRecord,
@@ -103,7 +106,7 @@ pub async fn patch_metadata(
     crate::telemetry::kube_write(
         "patch",
         deployment.kind.plural(),
-        api.patch(&deployment.name, &PatchParams::default(), &patch),
+        api.patch_metadata(&deployment.name, &PatchParams::default(), &patch),
     )
     .await?;
     Ok(true)
