@@ -32,6 +32,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("controller::policy_notes", 43),
     ("controller::pace", 43),
     ("controller::failpoint", 43),
+    ("controller::spire_health", 44),
     ("controller::view", 44),
     ("controller::events", 44),
     ("controller::record", 45),
@@ -56,6 +57,7 @@ const PURE: &[&str] = &[
     "controller::status",
     "controller::policy_notes",
     "controller::pace",
+    "controller::spire_health",
     "policy",
     "keys",
 ];

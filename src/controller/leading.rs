@@ -145,7 +145,7 @@ impl<A: EntryApi> Controller<A> {
             // The drift check keeps its own schedule: in a busy cluster syncs never stop, and
             // a sync that did not re-list has not looked at SPIRE.
             let changes_only = matches!(wake, Wake::Changed);
-            let (next, derived) = self
+            let (next, derived, writes) = self
                 .sync_once(term, changes_only)
                 .instrument(tracing::info_span!("sync"))
                 .await;
@@ -153,9 +153,9 @@ impl<A: EntryApi> Controller<A> {
                 self.metrics.last_success.set(unix_now());
             }
             let resync = self.settings.resync_interval;
-            next_sync = self
-                .pace
-                .next_sync(Instant::now(), next_sync, next, derived, resync);
+            next_sync =
+                self.pace
+                    .next_sync(Instant::now(), next_sync, next, (derived, writes), resync);
             if self.should_step_down(useful) {
                 return;
             }

@@ -27,6 +27,7 @@ mod policy_effects;
 pub mod policy_notes;
 mod preview;
 pub mod record;
+mod spire_health;
 mod state;
 pub mod status;
 mod sync;

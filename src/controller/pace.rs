@@ -1,6 +1,6 @@
 //! When the leader syncs next and how much it derives: retry backoff, the full sync owed
-//! after syncs of changed service accounts, the pacing of drift checks by what a count costs
-//! SPIRE, and since when SPIRE has failed (`SpireHealth`). Pure: the loop asks, this answers.
+//! after syncs of changed service accounts, and the pacing of drift checks by what a count
+//! costs SPIRE. Pure: the loop asks, this answers.
 
 use crate::index::Changed;
 use crate::keys::SaKey;
@@ -16,6 +16,13 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 const FULL_OWED_FACTOR: u32 = 10;
 const FULL_OWED_MIN: Duration = Duration::from_secs(5);
 const FULL_OWED_MAX: Duration = Duration::from_secs(60);
+/// Once this many writes since the last full sync have settled (a changed sync finds nothing
+/// more to write), the owed full sync runs at once: policy status shows the settled state
+/// within a sync, and nothing is left to run after convergence (owed a minute later, at
+/// 50,000 workloads it was a full derive in the minutes the cluster should be quiet). After
+/// fewer, it keeps its distance: a trickle of single creates does not turn into a full derive
+/// per create, and a full derive is small next to this many apiserver patches.
+const SETTLED_AFTER_WRITES: usize = 100;
 
 /// At rest, SPIRE's count of our entries is compared with ours this often, or less often
 /// when counting is expensive (`drift_check_interval`).
@@ -83,6 +90,9 @@ pub struct Pace {
     /// The last full derive held service accounts whose SPIFFE IDs collide: until one shows
     /// none, every sync derives in full (a scoped derive cannot see every holder).
     pub collisions_known: bool,
+    /// Writes (to SPIRE and to workloads) since the last full sync. After many, the first
+    /// changed sync that writes nothing marks the work as settled (`SETTLED_AFTER_WRITES`).
+    writes_since_full: usize,
 }
 
 impl Default for Pace {
@@ -93,6 +103,7 @@ impl Default for Pace {
             last_full: Duration::ZERO,
             retry_owed: false,
             collisions_known: false,
+            writes_since_full: 0,
         }
     }
 }
@@ -130,18 +141,25 @@ impl Pace {
     pub fn full_sync_took(&mut self, took: Duration) {
         self.last_full = took;
         self.full_owed = None;
+        self.writes_since_full = 0;
     }
 
-    /// When the next sync is due, after a sync that `derived` and asked for `next`, given
-    /// the time already scheduled (`scheduled`) and the resync interval.
+    /// When the next sync is due, after a sync that `derived`, made `writes` (to SPIRE and
+    /// to workloads) and asked for `next`, given the time already scheduled (`scheduled`) and
+    /// the resync interval.
     pub fn next_sync(
         &mut self,
         now: Instant,
         scheduled: Instant,
         next: Next,
-        derived: Derived,
+        (derived, writes): (Derived, usize),
         resync: Duration,
     ) -> Instant {
+        let settled = derived == Derived::Changed
+            && writes == 0
+            && self.writes_since_full >= SETTLED_AFTER_WRITES
+            && matches!(next, Next::Idle { .. });
+        self.writes_since_full += writes;
         match (next, derived) {
             (Next::RetryAfter(_), _) => self.retry_owed = true,
             (Next::Idle { .. }, Derived::Full) => self.retry_owed = false,
@@ -162,6 +180,10 @@ impl Pace {
             Derived::Full => after,
             // A sync of some service accounts only looked at their rechecks: it never
             // postpones what is already scheduled, and a full sync is owed.
+            Derived::Changed if settled => {
+                self.full_owed = Some(now);
+                now
+            }
             Derived::Changed => {
                 let owed = *self.full_owed.get_or_insert_with(|| {
                     now + (self.last_full * FULL_OWED_FACTOR).clamp(FULL_OWED_MIN, FULL_OWED_MAX)
@@ -170,35 +192,6 @@ impl Pace {
             }
             Derived::Nothing => scheduled,
         }
-    }
-}
-
-/// What the leader knows of SPIRE's health.
-#[derive(Debug)]
-pub struct SpireHealth {
-    /// Since when SPIRE calls fail as a whole (unset once one succeeds).
-    pub(super) failing_since: Option<Instant>,
-    /// Until the next drift check: longer when SPIRE's count of our entries is slow.
-    pub drift_every: Duration,
-}
-
-impl Default for SpireHealth {
-    fn default() -> Self {
-        Self {
-            failing_since: None,
-            drift_every: DRIFT_CHECK_INTERVAL,
-        }
-    }
-}
-
-impl SpireHealth {
-    pub fn failing(&self) -> bool {
-        self.failing_since.is_some()
-    }
-
-    /// How long SPIRE calls have failed as a whole, if they do.
-    pub fn failing_for(&self) -> Option<Duration> {
-        self.failing_since.map(|since| since.elapsed())
     }
 }
 
@@ -242,7 +235,7 @@ mod tests {
             (Some(now), now + Duration::from_millis(50)),
         ] {
             assert_eq!(
-                pace.next_sync(now, far, idle(recheck), Derived::Full, RESYNC),
+                pace.next_sync(now, far, idle(recheck), (Derived::Full, 0), RESYNC),
                 due
             );
         }
@@ -255,31 +248,78 @@ mod tests {
         let idle = Next::Idle { recheck: None };
         let soon = now + Duration::from_secs(3);
         assert_eq!(
-            pace.next_sync(now, soon, idle, Derived::Changed, RESYNC),
+            pace.next_sync(now, soon, idle, (Derived::Changed, 0), RESYNC),
             soon
         );
         // Owed within 10× the last full sync (20 s), kept by later changed syncs.
         let later = now + Duration::from_secs(100);
         let owed = now + Duration::from_secs(20);
         assert_eq!(
-            pace.next_sync(now, later, idle, Derived::Changed, RESYNC),
+            pace.next_sync(now, later, idle, (Derived::Changed, 0), RESYNC),
             owed
         );
         let after = now + Duration::from_secs(5);
         assert_eq!(
-            pace.next_sync(after, later, idle, Derived::Changed, RESYNC),
+            pace.next_sync(after, later, idle, (Derived::Changed, 0), RESYNC),
             owed
         );
         // A change an earlier sync covered schedules nothing new.
         assert_eq!(
-            pace.next_sync(now, later, idle, Derived::Nothing, RESYNC),
+            pace.next_sync(now, later, idle, (Derived::Nothing, 0), RESYNC),
             later
         );
         pace.full_sync_took(Duration::from_millis(100));
         // The owed time is bounded below: 5 s.
         assert_eq!(
-            pace.next_sync(now, later, idle, Derived::Changed, RESYNC),
+            pace.next_sync(now, later, idle, (Derived::Changed, 0), RESYNC),
             now + Duration::from_secs(5)
+        );
+    }
+
+    #[test]
+    fn once_the_work_settles_the_owed_full_sync_runs_at_once() {
+        let (mut pace, now) = (Pace::default(), Instant::now());
+        pace.full_sync_took(Duration::from_secs(60));
+        let idle = Next::Idle { recheck: None };
+        let later = now + Duration::from_secs(300);
+        let owed = now + FULL_OWED_MAX;
+        // Syncs that write owe a full sync, at the usual distance.
+        assert_eq!(
+            pace.next_sync(
+                now,
+                later,
+                idle,
+                (Derived::Changed, SETTLED_AFTER_WRITES),
+                RESYNC
+            ),
+            owed
+        );
+        // The first one that writes nothing: the work settled, the full sync is due now.
+        let settled = now + Duration::from_secs(2);
+        assert_eq!(
+            pace.next_sync(settled, later, idle, (Derived::Changed, 0), RESYNC),
+            settled
+        );
+        pace.full_sync_took(Duration::from_secs(1));
+        // A few writes settling (a trickle of creates): owed as usual.
+        let quiet = now + Duration::from_secs(30);
+        pace.next_sync(quiet, later, idle, (Derived::Changed, 3), RESYNC);
+        assert_eq!(
+            pace.next_sync(quiet, later, idle, (Derived::Changed, 0), RESYNC),
+            quiet + Duration::from_secs(10)
+        );
+        // A covered change never counts as settling.
+        let mut busy = Pace::default();
+        busy.next_sync(
+            now,
+            later,
+            idle,
+            (Derived::Changed, SETTLED_AFTER_WRITES),
+            RESYNC,
+        );
+        assert_eq!(
+            busy.next_sync(now, later, idle, (Derived::Nothing, 0), RESYNC),
+            later
         );
     }
 
@@ -295,7 +335,7 @@ mod tests {
         }
         assert_eq!(ceilings.last(), Some(&MAX_BACKOFF));
         let (now, idle) = (Instant::now(), Next::Idle { recheck: None });
-        pace.next_sync(now, now, idle, Derived::Full, RESYNC);
+        pace.next_sync(now, now, idle, (Derived::Full, 0), RESYNC);
         let first = pace.next_backoff();
         assert!(
             first >= MIN_BACKOFF / 2 && first <= MIN_BACKOFF,
@@ -308,11 +348,11 @@ mod tests {
         let (mut pace, now) = (Pace::default(), Instant::now());
         let retry = Next::RetryAfter(Duration::from_secs(1));
         let idle = Next::Idle { recheck: None };
-        pace.next_sync(now, now, retry, Derived::Full, RESYNC);
+        pace.next_sync(now, now, retry, (Derived::Full, 0), RESYNC);
         assert!(pace.retry_owed);
-        pace.next_sync(now, now, idle, Derived::Changed, RESYNC);
+        pace.next_sync(now, now, idle, (Derived::Changed, 0), RESYNC);
         assert!(pace.retry_owed, "a changed sync saw only some accounts");
-        pace.next_sync(now, now, idle, Derived::Full, RESYNC);
+        pace.next_sync(now, now, idle, (Derived::Full, 0), RESYNC);
         assert!(!pace.retry_owed);
     }
 

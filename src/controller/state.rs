@@ -3,8 +3,9 @@
 
 use super::decide::{DecideSettings, Memory};
 use super::metrics::ControllerMetrics;
-use super::pace::{Pace, SpireHealth};
+use super::pace::Pace;
 use super::policy_effects::PolicyEffects;
+use super::spire_health::SpireHealth;
 use super::view::SpireView;
 use crate::index::Index;
 use crate::policy::OptIn;

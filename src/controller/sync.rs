@@ -33,8 +33,13 @@ use tracing::{debug, info, warn};
 pub(super) type Snapshot = (Desired, Vec<Arc<SpiffeRegistration>>);
 
 impl<A: EntryApi> Controller<A> {
-    /// One sync, woken by Deployment events alone (`changes_only`) or by anything else.
-    pub(super) async fn sync_once(&mut self, term: &Term, changes_only: bool) -> (Next, Derived) {
+    /// One sync, woken by Deployment events alone (`changes_only`) or by anything else: what
+    /// it asks of the loop, what it derived, and how many writes it made to SPIRE and to workloads.
+    pub(super) async fn sync_once(
+        &mut self,
+        term: &Term,
+        changes_only: bool,
+    ) -> (Next, Derived, usize) {
         let started = Instant::now();
         // Taken before the caches are read: a change after this point wakes the next sync.
         let changed = self.index.changes.take();
@@ -45,7 +50,7 @@ impl<A: EntryApi> Controller<A> {
             .scope(changes_only, changed, relisted, failed_writes);
         if scope.as_ref().is_some_and(BTreeSet::is_empty) {
             // Woken by an event whose change an earlier sync already covered.
-            return (Next::Idle { recheck: None }, Derived::Nothing);
+            return (Next::Idle { recheck: None }, Derived::Nothing, 0);
         }
         let next = self.sync_derived(term, scope).await;
         let derived = next.1;
@@ -62,14 +67,15 @@ impl<A: EntryApi> Controller<A> {
         next
     }
 
-    /// One sync over `scope`'s service accounts (every one when `None`); says which it did.
+    /// One sync over `scope`'s service accounts (every one when `None`); says which it did
+    /// and how many writes it made.
     async fn sync_derived(
         &mut self,
         term: &Term,
         scope: Option<BTreeSet<SaKey>>,
-    ) -> (Next, Derived) {
+    ) -> (Next, Derived, usize) {
         if let Err(delay) = self.refresh_view_if_stale().await {
-            return (Next::RetryAfter(delay), Derived::Full);
+            return (Next::RetryAfter(delay), Derived::Full, 0);
         }
         let (desired, policies, derived) = self.derive(scope).await;
         self.settle_failed_writes(&desired);
@@ -106,6 +112,7 @@ impl<A: EntryApi> Controller<A> {
         let recheck = plan.recheck;
         // Desired state and the plan are dropped before the wait (a first sync's patches take
         // minutes at 50,000 Deployments).
+        let writes = plan.writes() + writer.handed();
         drop((desired, plan));
         let finished = writer.finish().await;
         self.memory.failed_writes(finished.failed);
@@ -116,7 +123,7 @@ impl<A: EntryApi> Controller<A> {
         } else {
             Next::Idle { recheck }
         };
-        (next, derived)
+        (next, derived, writes)
     }
 
     /// Re-lists our SPIRE entries when the view is stale; the retry delay when that failed.

@@ -145,6 +145,11 @@ impl WorkloadWriter {
         self.turns.clone().acquire_many_owned(all).await.ok()
     }
 
+    /// How many workloads were handed a write this sync.
+    pub fn handed(&self) -> usize {
+        self.written.len()
+    }
+
     /// Whether `key` was handed a write this sync.
     pub fn wrote(&self, key: &WorkloadKey) -> bool {
         self.written.contains(key)
