@@ -18,8 +18,8 @@ const FULL_OWED_MIN: Duration = Duration::from_secs(5);
 const FULL_OWED_MAX: Duration = Duration::from_secs(60);
 /// Once this many writes since the last full sync have settled (a changed sync finds nothing
 /// more to write), the owed full sync runs at once: policy status shows the settled state
-/// within a sync, and nothing is left to run after convergence (owed a minute later, at
-/// 50,000 workloads it was a full derive in the minutes the cluster should be quiet). After
+/// within a sync, and the full derive no longer falls in the quiet minutes after convergence
+/// (owed a minute later, at 10,000 workloads it did). After
 /// fewer, it keeps its distance: a trickle of single creates does not turn into a full derive
 /// per create, and a full derive is small next to this many apiserver patches.
 const SETTLED_AFTER_WRITES: usize = 100;
