@@ -18,8 +18,7 @@ const FULL_OWED_MIN: Duration = Duration::from_secs(5);
 const FULL_OWED_MAX: Duration = Duration::from_secs(60);
 /// Once this many writes since the last full sync have settled (a changed sync finds nothing
 /// more to write), the owed full sync runs at once: policy status shows the settled state
-/// within a sync, and the full derive no longer falls in the quiet minutes after convergence
-/// (owed a minute later, at 10,000 workloads it did). After
+/// within a sync, and no full derive falls in the quiet minutes after convergence. After
 /// fewer, it keeps its distance: a trickle of single creates does not turn into a full derive
 /// per create, and a full derive is small next to this many apiserver patches.
 const SETTLED_AFTER_WRITES: usize = 100;
@@ -60,6 +59,9 @@ pub enum Derived {
     Full,
     /// Only those whose Deployments changed since the last sync.
     Changed,
+    /// Those whose Deployments changed in our marks alone (the echoes of our patches): SPIRE's
+    /// entries and policy status cannot have changed, so no full sync is owed for it.
+    Marks,
     /// Nothing: the change was already covered.
     Nothing,
 }
@@ -68,7 +70,7 @@ impl Derived {
     pub fn label(self) -> &'static str {
         match self {
             Derived::Full => "full",
-            Derived::Changed | Derived::Nothing => "changed",
+            Derived::Changed | Derived::Marks | Derived::Nothing => "changed",
         }
     }
 }
@@ -128,7 +130,7 @@ impl Pace {
         failed_writes: bool,
     ) -> Option<BTreeSet<SaKey>> {
         match changed {
-            Changed::Accounts(accounts)
+            Changed::Accounts(accounts) | Changed::Marks(accounts)
                 if changes_only && !relisted && !failed_writes && !self.collisions_known =>
             {
                 Some(accounts)
@@ -155,7 +157,7 @@ impl Pace {
         (derived, writes): (Derived, usize),
         resync: Duration,
     ) -> Instant {
-        let settled = derived == Derived::Changed
+        let settled = matches!(derived, Derived::Changed | Derived::Marks)
             && writes == 0
             && self.writes_since_full >= SETTLED_AFTER_WRITES
             && matches!(next, Next::Idle { .. });
@@ -178,12 +180,13 @@ impl Pace {
             };
         match derived {
             Derived::Full => after,
-            // A sync of some service accounts only looked at their rechecks: it never
-            // postpones what is already scheduled, and a full sync is owed.
-            Derived::Changed if settled => {
+            Derived::Changed | Derived::Marks if settled => {
                 self.full_owed = Some(now);
                 now
             }
+            // A scoped sync only looked at its accounts' rechecks: it never postpones what is
+            // scheduled. Our marks alone (the late echoes of our patches) owe no full sync.
+            Derived::Marks => scheduled.min(after),
             Derived::Changed => {
                 let owed = *self.full_owed.get_or_insert_with(|| {
                     now + (self.last_full * FULL_OWED_FACTOR).clamp(FULL_OWED_MIN, FULL_OWED_MAX)
@@ -307,6 +310,18 @@ mod tests {
         assert_eq!(
             pace.next_sync(quiet, later, idle, (Derived::Changed, 0), RESYNC),
             quiet + Duration::from_secs(10)
+        );
+        // The late echoes of the last patches, after the settled full sync: nothing owed.
+        pace.full_sync_took(Duration::from_secs(1));
+        let echo = quiet + Duration::from_secs(12);
+        assert_eq!(
+            pace.next_sync(echo, later, idle, (Derived::Marks, 0), RESYNC),
+            later
+        );
+        // A change beyond our marks still owes one.
+        assert_eq!(
+            pace.next_sync(echo, later, idle, (Derived::Changed, 0), RESYNC),
+            echo + Duration::from_secs(10)
         );
         // A covered change never counts as settling.
         let mut busy = Pace::default();

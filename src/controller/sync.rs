@@ -18,7 +18,7 @@ use super::record;
 use super::state::{Controller, ControllerSettings};
 use super::status::{self, Outcome};
 use super::view::ApplyReport;
-use crate::index::{Index, NamespaceInfo};
+use crate::index::{Changed, Index, NamespaceInfo};
 use crate::keys::SaKey;
 use crate::leader::Term;
 use crate::policy::SpiffeRegistration;
@@ -43,6 +43,7 @@ impl<A: EntryApi> Controller<A> {
         let started = Instant::now();
         // Taken before the caches are read: a change after this point wakes the next sync.
         let changed = self.index.changes.take();
+        let marks_only = matches!(changed, Changed::Marks(_));
         let relisted = self.view.stale(self.settings.resync_interval);
         let failed_writes = self.memory.has_failed_writes();
         let scope = self
@@ -52,7 +53,10 @@ impl<A: EntryApi> Controller<A> {
             // Woken by an event whose change an earlier sync already covered.
             return (Next::Idle { recheck: None }, Derived::Nothing, 0);
         }
-        let next = self.sync_derived(term, scope).await;
+        let mut next = self.sync_derived(term, scope).await;
+        if marks_only && next.1 == Derived::Changed {
+            next.1 = Derived::Marks;
+        }
         let derived = next.1;
         self.metrics
             .syncs

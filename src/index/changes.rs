@@ -4,9 +4,13 @@
 //! for those service accounts alone, so a burst of new Deployments costs work and memory in
 //! proportion to the burst, not to the cluster.
 //!
+//! Changes to our own marks alone (our annotations, the finalizer list) are told apart: they
+//! are mostly the echoes of our own patches, and while they decide what to write to those
+//! workloads, they cannot change what SPIRE should hold or what policy status counts.
+//!
 //! ```text
-//! Deployment watch ─ account(ns/SA) ─┐
-//! Namespace / policy watch, relist ─ everything() ─┼─▶ Changes ─ take() ─▶ controller
+//! Deployment watch ─ account(ns/SA) · marks(ns/SA) ─┐
+//! Namespace / policy watch, relist ─ everything() ──┼─▶ Changes ─ take() ─▶ controller
 //! ```
 
 use crate::keys::SaKey;
@@ -18,8 +22,18 @@ use std::sync::{Arc, Mutex};
 pub enum Changed {
     /// Anything may have changed: only a full derive is correct.
     Everything,
-    /// Only Deployments running as these service accounts changed (possibly none).
+    /// Only Deployments running as these service accounts changed.
     Accounts(BTreeSet<SaKey>),
+    /// Only our marks (annotations, finalizers) on Deployments running as these service
+    /// accounts changed; empty when nothing changed at all.
+    Marks(BTreeSet<SaKey>),
+}
+
+impl Changed {
+    /// Nothing changed.
+    pub fn none() -> Self {
+        Changed::Marks(BTreeSet::new())
+    }
 }
 
 /// Shared between the watch tasks (writers) and the controller (taker). Starts as
@@ -44,10 +58,29 @@ impl Changes {
         *self.lock() = Changed::Everything;
     }
 
-    /// A Deployment running as `sa` changed (was added, edited, or removed).
+    /// A Deployment running as `sa` changed (was added, edited beyond our marks, or removed).
     pub fn account(&self, sa: SaKey) {
-        if let Changed::Accounts(accounts) = &mut *self.lock() {
-            accounts.insert(sa);
+        let mut changed = self.lock();
+        match &mut *changed {
+            Changed::Everything => {}
+            Changed::Accounts(accounts) => {
+                accounts.insert(sa);
+            }
+            Changed::Marks(accounts) => {
+                let mut accounts = std::mem::take(accounts);
+                accounts.insert(sa);
+                *changed = Changed::Accounts(accounts);
+            }
+        }
+    }
+
+    /// Only our marks changed on a Deployment running as `sa`.
+    pub fn marks(&self, sa: SaKey) {
+        match &mut *self.lock() {
+            Changed::Everything => {}
+            Changed::Accounts(accounts) | Changed::Marks(accounts) => {
+                accounts.insert(sa);
+            }
         }
     }
 
@@ -55,13 +88,13 @@ impl Changes {
     pub fn pending(&self) -> bool {
         match &*self.lock() {
             Changed::Everything => true,
-            Changed::Accounts(accounts) => !accounts.is_empty(),
+            Changed::Accounts(accounts) | Changed::Marks(accounts) => !accounts.is_empty(),
         }
     }
 
     /// What changed since the last call; resets to "nothing".
     pub fn take(&self) -> Changed {
-        std::mem::replace(&mut *self.lock(), Changed::Accounts(BTreeSet::new()))
+        std::mem::replace(&mut *self.lock(), Changed::none())
     }
 }
 
@@ -82,7 +115,7 @@ mod tests {
         assert!(changes.pending());
         assert_eq!(changes.take(), Changed::Everything, "a fresh start is full");
         assert!(!changes.pending());
-        assert_eq!(changes.take(), Changed::Accounts(BTreeSet::new()));
+        assert_eq!(changes.take(), Changed::none());
         changes.account(sa("a"));
         assert!(changes.pending());
         changes.account(sa("b"));
@@ -95,6 +128,30 @@ mod tests {
         changes.everything();
         changes.account(sa("c"));
         assert_eq!(changes.take(), Changed::Everything);
-        assert_eq!(changes.take(), Changed::Accounts(BTreeSet::new()));
+        assert_eq!(changes.take(), Changed::none());
+    }
+
+    #[test]
+    fn marks_alone_stay_apart_until_a_change_goes_beyond_them() {
+        let changes = Changes::default();
+        changes.take();
+        changes.marks(sa("a"));
+        assert!(changes.pending());
+        changes.marks(sa("b"));
+        assert_eq!(
+            changes.take(),
+            Changed::Marks(BTreeSet::from([sa("a"), sa("b")]))
+        );
+        changes.marks(sa("a"));
+        changes.account(sa("b"));
+        changes.marks(sa("c"));
+        assert_eq!(
+            changes.take(),
+            Changed::Accounts(BTreeSet::from([sa("a"), sa("b"), sa("c")])),
+            "one change beyond the marks: the whole scope may change status"
+        );
+        changes.everything();
+        changes.marks(sa("a"));
+        assert_eq!(changes.take(), Changed::Everything);
     }
 }

@@ -353,18 +353,20 @@ impl WorkloadStoreWriter {
         let key = (record.namespace.clone(), record.name.clone());
         let previous = insert(by_namespace, shared, record);
         let stored = &by_namespace[&key.0].records[&key.1];
-        let changed = previous
-            .as_ref()
-            .is_none_or(|old| old.differs_for_decisions(stored));
-        if changed {
+        let (beyond_marks, marks) = previous.as_ref().map_or((true, false), |old| {
+            (old.differs_beyond_marks(stored), old.marks_differ(stored))
+        });
+        if beyond_marks {
             self.changes.account(stored.service_account_key());
             if let Some(old) = previous.filter(|old| old.service_account != stored.service_account)
             {
                 // Moved to another service account: the old one lost a workload.
                 self.changes.account(old.service_account_key());
             }
+        } else if marks {
+            self.changes.marks(stored.service_account_key());
         }
-        changed
+        beyond_marks || marks
     }
 
     /// An object gone; true when it was held.
@@ -599,7 +601,11 @@ mod tests {
         assert_eq!(changes.take(), Changed::Everything, "a (re)list: full");
 
         writer.apply(watcher::Event::Apply(watched("a", "web", "api", "2")));
-        assert_eq!(changes.take(), accounts(&[]), "no change a decision reads");
+        assert_eq!(
+            changes.take(),
+            Changed::none(),
+            "no change a decision reads"
+        );
         writer.apply(watcher::Event::Apply(watched("a", "db", "api", "3")));
         writer.apply(watcher::Event::Apply(watched("b", "x", "ops", "4")));
         assert_eq!(changes.take(), accounts(&[sa("a", "api"), sa("b", "ops")]));
@@ -612,6 +618,15 @@ mod tests {
         writer.apply(watcher::Event::Delete(watched("b", "x", "ops", "6")));
         writer.apply(watcher::Event::Delete(watched("b", "x", "ops", "6")));
         assert_eq!(changes.take(), accounts(&[sa("b", "ops")]));
+        let mut marked = watched("a", "db", "api", "7");
+        marked.metadata.annotations =
+            Some([(crate::names::ENTRY_ID_ANNOTATION.to_string(), "e1".into())].into());
+        writer.apply(watcher::Event::Apply(marked));
+        assert_eq!(
+            changes.take(),
+            Changed::Marks([sa("a", "api")].into()),
+            "the echo of our own patch: our marks alone"
+        );
     }
 
     #[tokio::test]

@@ -134,6 +134,12 @@ impl WorkloadRecord {
     /// Whether `other` differs in anything a decision reads: a new resourceVersion alone
     /// (status, rollouts, other writers' annotations) does not count.
     pub fn differs_for_decisions(&self, other: &WorkloadRecord) -> bool {
+        self.differs_beyond_marks(other) || self.marks_differ(other)
+    }
+
+    /// Whether `other` differs in more than our marks: in what decides its entry and what
+    /// policy status counts.
+    pub fn differs_beyond_marks(&self, other: &WorkloadRecord) -> bool {
         let Self {
             kind,
             namespace,
@@ -145,8 +151,8 @@ impl WorkloadRecord {
             kind_removing,
             service_account,
             labels,
-            finalizers,
-            annotations,
+            finalizers: _,
+            annotations: _,
         } = self;
         *kind != other.kind
             || *namespace != other.namespace
@@ -157,8 +163,12 @@ impl WorkloadRecord {
             || *kind_removing != other.kind_removing
             || *service_account != other.service_account
             || *labels != other.labels
-            || *finalizers != other.finalizers
-            || *annotations != other.annotations
+    }
+
+    /// Whether our marks differ: our annotations, or the finalizer list (its positions are
+    /// what a patch of ours addresses). Only what is written to the workload reads them.
+    pub fn marks_differ(&self, other: &WorkloadRecord) -> bool {
+        self.finalizers != other.finalizers || self.annotations != other.annotations
     }
 
     /// What an Event about this workload refers to.
@@ -585,28 +595,44 @@ mod tests {
         let rollout: WatchedWorkload = serde_json::from_value(rollout).expect("decodes");
         assert!(!old.differs_for_decisions(&rollout.record(WorkloadKind::Deployment)));
 
+        // What changed, and whether it is our marks alone (policy status and SPIRE's
+        // entries cannot depend on it).
         type Edit = fn(&mut serde_json::Value);
-        let edits: [(&str, Edit); 5] = [
-            ("label", |d| d["metadata"]["labels"]["tier"] = json!("x")),
-            ("finalizer", |d| d["metadata"]["finalizers"] = json!([])),
-            ("service account", |d| {
-                d["spec"]["template"]["spec"]["serviceAccountName"] = json!("other")
-            }),
-            ("entry-id", |d| {
-                d["metadata"]["annotations"][ENTRY_ID_ANNOTATION] = json!("x")
-            }),
-            ("deletion", |d| {
-                d["metadata"]["deletionTimestamp"] = json!("2026-01-02T00:00:00Z")
-            }),
+        let edits: [(&str, Edit, bool); 5] = [
+            (
+                "label",
+                |d| d["metadata"]["labels"]["tier"] = json!("x"),
+                false,
+            ),
+            (
+                "finalizer",
+                |d| d["metadata"]["finalizers"] = json!([]),
+                true,
+            ),
+            (
+                "service account",
+                |d| d["spec"]["template"]["spec"]["serviceAccountName"] = json!("other"),
+                false,
+            ),
+            (
+                "entry-id",
+                |d| d["metadata"]["annotations"][ENTRY_ID_ANNOTATION] = json!("x"),
+                true,
+            ),
+            (
+                "deletion",
+                |d| d["metadata"]["deletionTimestamp"] = json!("2026-01-02T00:00:00Z"),
+                false,
+            ),
         ];
-        for (what, edit) in edits {
+        for (what, edit, marks_only) in edits {
             let mut changed = realistic_json();
             edit(&mut changed);
             let changed: WatchedWorkload = serde_json::from_value(changed).expect("decodes");
-            assert!(
-                old.differs_for_decisions(&changed.record(WorkloadKind::Deployment)),
-                "{what}"
-            );
+            let changed = changed.record(WorkloadKind::Deployment);
+            assert!(old.differs_for_decisions(&changed), "{what}");
+            assert_eq!(old.marks_differ(&changed), marks_only, "{what}");
+            assert_eq!(old.differs_beyond_marks(&changed), !marks_only, "{what}");
         }
     }
 }
