@@ -6,6 +6,7 @@ use axum::http::{Request, StatusCode};
 use base64::Engine;
 use serde_json::{Value, json};
 use spiffe_registrar::index::PolicyView;
+use spiffe_registrar::keys::WorkloadKind;
 use spiffe_registrar::names::{FINALIZER, SPIFFE_ID_ANNOTATION};
 use spiffe_registrar::policy::{OptIn, SpiffeRegistration};
 use spiffe_registrar::spire::Ownership;
@@ -22,6 +23,8 @@ struct FixedView {
     ownership: Ownership,
     namespaces: BTreeMap<String, BTreeMap<String, String>>,
     policies: Vec<Arc<SpiffeRegistration>>,
+    /// The kinds the webhook told the watches to expect, in order.
+    admitted: std::sync::Mutex<Vec<WorkloadKind>>,
 }
 
 impl PolicyView for FixedView {
@@ -31,18 +34,15 @@ impl PolicyView for FixedView {
     fn ownership(&self) -> &Ownership {
         &self.ownership
     }
-    fn registers(&self, _: spiffe_registrar::keys::WorkloadKind) -> bool {
+    fn registers(&self, _: WorkloadKind) -> bool {
         true
     }
     fn sibling_labels(
         &self,
         _: &str,
         _: &str,
-        _: (spiffe_registrar::keys::WorkloadKind, &str),
-    ) -> Vec<(
-        spiffe_registrar::keys::WorkloadKind,
-        spiffe_registrar::policy::Labels,
-    )> {
+        _: (WorkloadKind, &str),
+    ) -> Vec<(WorkloadKind, spiffe_registrar::policy::Labels)> {
         Vec::new()
     }
     fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>> {
@@ -50,6 +50,9 @@ impl PolicyView for FixedView {
     }
     fn policies(&self) -> Vec<Arc<SpiffeRegistration>> {
         self.policies.clone()
+    }
+    fn admitted(&self, kind: WorkloadKind) {
+        self.admitted.lock().unwrap().push(kind);
     }
 }
 
@@ -64,6 +67,10 @@ fn policy() -> SpiffeRegistration {
 }
 
 fn view() -> Arc<dyn PolicyView> {
+    fixed_view()
+}
+
+fn fixed_view() -> Arc<FixedView> {
     Arc::new(FixedView {
         opt_in: OptIn::default(),
         ownership: Ownership::new("router").expect("valid"),
@@ -75,13 +82,18 @@ fn view() -> Arc<dyn PolicyView> {
             ("plain".to_string(), BTreeMap::new()),
         ]),
         policies: vec![Arc::new(policy())],
+        admitted: Default::default(),
     })
 }
 
 async fn post(body: impl Into<Body>) -> (StatusCode, Vec<u8>) {
+    post_to(view(), body).await
+}
+
+async fn post_to(view: Arc<dyn PolicyView>, body: impl Into<Body>) -> (StatusCode, Vec<u8>) {
     let registry = prometheus::Registry::new();
     let app = router(WebhookState {
-        view: view(),
+        view,
         metrics: WebhookMetrics::register(&registry).expect("metrics"),
         registrar_user: Some("system:serviceaccount:registrar:spiffe-registrar".into()),
     });
@@ -206,10 +218,8 @@ async fn objects_being_deleted_are_never_stamped() {
 #[tokio::test]
 async fn every_workload_kind_is_stamped_from_its_pod_template() {
     let template = |sa: &str| json!({ "metadata": { "labels": { "app": "web" } }, "spec": { "serviceAccountName": sa, "containers": [] } });
-    spiffe_registrar::keys::WorkloadKind::register_custom(
-        "example.test/v1/Widget/widgets:spec.workload.podTemplate",
-    )
-    .expect("valid");
+    WorkloadKind::register_custom("example.test/v1/Widget/widgets:spec.workload.podTemplate")
+        .expect("valid");
     let custom =
         json!({ "template": template("decoy"), "workload": { "podTemplate": template("runner") } });
     let cases = [
@@ -291,6 +301,30 @@ async fn out_of_scope_and_other_kinds_pass_unchanged() {
         let (response, _) = review(body).await;
         assert!(response.get("patch").is_none(), "{response}");
     }
+}
+
+/// A created or edited workload of a registered kind tells its kind's watch to stop idling (the
+/// controller then sees it as soon as the apiserver stores it); deletions and other kinds do
+/// not.
+#[tokio::test]
+async fn creates_and_updates_tell_the_watch_of_their_kind() {
+    let view = fixed_view();
+    let bodies = [
+        fixture(|_| {}),
+        fixture(|r| r["request"]["operation"] = "UPDATE".into()),
+        fixture(|r| r["request"]["operation"] = "DELETE".into()),
+        fixture(|r| {
+            r["request"]["kind"] = json!({ "group": "", "version": "v1", "kind": "ConfigMap" })
+        }),
+    ];
+    for body in bodies {
+        let (status, _) = post_to(view.clone(), body).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+    assert_eq!(
+        *view.admitted.lock().unwrap(),
+        [WorkloadKind::Deployment, WorkloadKind::Deployment]
+    );
 }
 
 #[tokio::test]

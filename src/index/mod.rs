@@ -15,6 +15,7 @@ pub mod wire;
 pub mod workload;
 mod workload_watch;
 
+pub use batches::Hurry;
 pub use changes::{Changed, Changes};
 pub use store::WorkloadStore;
 pub use workload::WorkloadRecord;
@@ -63,6 +64,9 @@ pub trait PolicyView: Send + Sync {
         service_account: &str,
         except: (WorkloadKind, &str),
     ) -> Vec<(WorkloadKind, Labels)>;
+    /// A workload of `kind` is being admitted: its watch stops idling, so the controller sees
+    /// the object as soon as the apiserver stores it.
+    fn admitted(&self, _kind: WorkloadKind) {}
 }
 
 #[derive(Clone)]
@@ -74,6 +78,8 @@ pub struct Index {
     pub workloads: WorkloadStore,
     /// What changed since the controller last derived desired state.
     pub changes: Changes,
+    /// Cues from the webhook to the workload watches.
+    pub hurry: Hurry,
     /// True once every cache has listed. kube-runtime's `Store::wait_until_ready` wakes only
     /// one waiter (a oneshot inside), so one task waits on the stores and tells everyone else.
     synced: tokio::sync::watch::Receiver<bool>,
@@ -132,6 +138,10 @@ impl PolicyView for Index {
             .filter(|d| (d.kind, &*d.name) != except && !d.deleting)
             .map(|d| (d.kind, d.labels.clone()))
             .collect()
+    }
+
+    fn admitted(&self, kind: WorkloadKind) {
+        self.hurry.admitted(kind);
     }
 }
 
@@ -194,15 +204,16 @@ pub fn start(
     // Only changes a decision reads wake the controller: the store tells them apart as it
     // applies each event.
     let (workloads, writers) = store::store_telling(kinds, changes.clone());
+    let hurry = Hurry::new(kinds.iter().copied());
     for writer in writers {
         let kind = writer.kind();
         let span = tracing::info_span!("watch", %kind);
         let drain = if kind.is_custom() {
             let stream = custom_watch::workloads(client.clone(), kind, WORKLOAD_LIST_PAGE);
-            batches::drain_workloads(stream, writer, trigger.clone()).boxed()
+            batches::drain_workloads(stream, writer, trigger.clone(), hurry.clone()).boxed()
         } else {
             let stream = workload_watch::workloads(client.clone(), kind, WORKLOAD_LIST_PAGE);
-            batches::drain_workloads(stream, writer, trigger.clone()).boxed()
+            batches::drain_workloads(stream, writer, trigger.clone(), hurry.clone()).boxed()
         };
         tasks.push((
             format!("{} watch", kind.name()),
@@ -218,6 +229,7 @@ pub fn start(
         policies,
         workloads,
         changes,
+        hurry,
         synced: synced_rx,
     };
     let waiting = index.clone();

@@ -180,6 +180,8 @@ fn decide(
     if !matches!(request.operation, Operation::Create | Operation::Update) {
         return skipped;
     }
+    // Its watch event follows as soon as the apiserver has stored it.
+    view.admitted(kind);
     let Some(deployment) = &request.object else {
         return skipped;
     };

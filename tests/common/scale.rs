@@ -229,10 +229,10 @@ fn cpu_seconds(pid: i32) -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
-/// CPU nanoseconds of each thread of `pid`, from the scheduler's own accounting. The rest
-/// window's few dozen milliseconds are a handful of the clock ticks `/proc/<pid>/stat`
-/// counts in, and ticks are samples; this is exact.
-fn thread_cpu_ns(pid: i32) -> std::collections::HashMap<String, u64> {
+/// CPU nanoseconds of each thread of `pid` (by thread id, with the thread's name), from the
+/// scheduler's own accounting. The rest window's few dozen milliseconds are a handful of the
+/// clock ticks `/proc/<pid>/stat` counts in, and ticks are samples; this is exact.
+fn thread_cpu_ns(pid: i32) -> std::collections::HashMap<String, (String, u64)> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return Default::default();
     };
@@ -241,26 +241,41 @@ fn thread_cpu_ns(pid: i32) -> std::collections::HashMap<String, u64> {
         .filter_map(|task| {
             let stat = std::fs::read_to_string(task.path().join("schedstat")).ok()?;
             let ns = stat.split_whitespace().next()?.parse().ok()?;
-            Some((task.file_name().to_string_lossy().into_owned(), ns))
+            let name = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            let tid = task.file_name().to_string_lossy().into_owned();
+            Some((tid, (name.trim().to_owned(), ns)))
         })
         .collect()
 }
 
-/// CPU seconds `pid`'s threads ran between two `thread_cpu_ns` readings (a thread started
-/// meanwhile counts from zero; one that ended meanwhile is not counted, and is reported).
+/// What `pid`'s threads ran between two `thread_cpu_ns` readings.
+struct ThreadCpu {
+    /// CPU seconds of every thread (a thread started meanwhile counts from zero).
+    seconds: f64,
+    /// Threads that ended meanwhile: their share is not counted.
+    ended: usize,
+    /// CPU seconds by thread name (tokio's workers share one name), to tell the runtime's
+    /// work from the allocator's background thread and blocking pools.
+    by_name: std::collections::BTreeMap<String, f64>,
+}
+
 fn cpu_between(
-    before: &std::collections::HashMap<String, u64>,
-    after: &std::collections::HashMap<String, u64>,
-) -> (f64, usize) {
-    let ran: u64 = after
-        .iter()
-        .map(|(tid, ns)| ns.saturating_sub(before.get(tid).copied().unwrap_or(0)))
-        .sum();
-    let ended = before
-        .keys()
-        .filter(|tid| !after.contains_key(*tid))
-        .count();
-    (ran as f64 / 1e9, ended)
+    before: &std::collections::HashMap<String, (String, u64)>,
+    after: &std::collections::HashMap<String, (String, u64)>,
+) -> ThreadCpu {
+    let mut by_name = std::collections::BTreeMap::<String, f64>::new();
+    for (tid, (name, ns)) in after {
+        let earlier = before.get(tid).map_or(0, |(_, ns)| *ns);
+        *by_name.entry(name.clone()).or_default() += ns.saturating_sub(earlier) as f64 / 1e9;
+    }
+    ThreadCpu {
+        seconds: by_name.values().sum(),
+        ended: before
+            .keys()
+            .filter(|tid| !after.contains_key(*tid))
+            .count(),
+        by_name,
+    }
 }
 
 pub(super) async fn count_ours(socket: &std::path::Path) -> i32 {
@@ -388,6 +403,8 @@ async fn raw_create_seconds(socket: &std::path::Path, count: usize) -> f64 {
 /// What the registrar did in a window with nothing changing.
 struct RestWindow {
     cpu_s_per_min: f64,
+    /// The same by thread name.
+    cpu_s_per_min_by_thread: std::collections::BTreeMap<String, f64>,
     /// Threads of the registrar that ended within the window (their share is not counted).
     threads_ended: usize,
     spire_calls_per_min: f64,
@@ -425,11 +442,16 @@ async fn rest_window(stack: &Stack, registrar: &Registrar, pid: i32, rest: Durat
     );
     progress(&format!("quiet after convergence for {} s", rest.as_secs()));
     tokio::time::sleep(rest).await;
-    let (ran, threads_ended) = cpu_between(&cpu, &thread_cpu_ns(pid));
+    let ran = cpu_between(&cpu, &thread_cpu_ns(pid));
     let per_min = 60.0 / rest.as_secs_f64().max(1.0);
     let window = RestWindow {
-        cpu_s_per_min: ran * per_min,
-        threads_ended,
+        cpu_s_per_min: ran.seconds * per_min,
+        cpu_s_per_min_by_thread: ran
+            .by_name
+            .into_iter()
+            .map(|(name, s)| (name, s * per_min))
+            .collect(),
+        threads_ended: ran.ended,
         spire_calls_per_min: (registrar.spire_calls() - calls) * per_min,
         syncs: syncs() - synced,
         full_syncs: full_syncs() - full_synced,
@@ -448,6 +470,10 @@ async fn rest_window(stack: &Stack, registrar: &Registrar, pid: i32, rest: Durat
         window.event_writes_per_min,
         window.event_write_ms,
         window.status_updates
+    ));
+    progress(&format!(
+        "quiet, by thread: {:?}",
+        window.cpu_s_per_min_by_thread
     ));
     window
 }
@@ -883,6 +909,7 @@ pub async fn run(config: Config) -> Value {
     // Two objects: one `json!` of every key passes the macro's recursion limit.
     let later = json!({
         "rest_cpu_s_per_min": quiet.cpu_s_per_min,
+        "rest_cpu_s_per_min_by_thread": quiet.cpu_s_per_min_by_thread,
         "rest_threads_ended": quiet.threads_ended,
         "rest_spire_calls_per_min": quiet.spire_calls_per_min,
         "rest_syncs": quiet.syncs,
